@@ -1,0 +1,159 @@
+"""The `quantkit` command line: each command parses its flags and calls the library.
+
+Expected failures (QuantkitError, a full disk) print one line and exit 2; the traceback only with --debug.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+from rich.table import Table
+
+from quantkit import QuantkitError, __version__
+from quantkit.ui import Reporter, human_bytes, stderr, stdout
+
+app = typer.Typer(
+    help="Quantize Hugging Face LLMs to INT4/INT8 compressed-tensors checkpoints, measure them, serve them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+DEBUG = typer.Option(False, "--debug", help="Show the full traceback on errors.")
+JSON = typer.Option(False, "--json", help="Print a machine-readable JSON summary on stdout (no progress).")
+QUIET = typer.Option(False, "--quiet", "-q", help="No progress and no summary table.")
+
+
+@app.command(
+    epilog="Example: quantkit quantize smollm2-135m --bits 4 -o smollm2-w4",
+)
+def quantize(
+    model: str = typer.Argument(..., help="Local HF directory, hub id (org/name), .gguf file, or smollm2-135m."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output checkpoint directory."),
+    bits: Optional[int] = typer.Option(None, "--bits", "-b", help="Weight bits: 4 or 8.  [default: 4]"),
+    group_size: Optional[int] = typer.Option(
+        None, "--group-size", "-g", help="Columns per scale; -1 = per channel.  [default: 128 at 4 bits, per channel at 8]"
+    ),
+    asym: Optional[bool] = typer.Option(None, "--asym/--sym", help="Asymmetric (zero points) or symmetric.  [default: sym]"),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="Algorithm: rtn.  [default: rtn]"),
+    recipe: list[str] = typer.Option([], "--recipe", "-r", help="Recipe YAML file or bundled name; repeat to compose."),
+    ignore: list[str] = typer.Option([], "--ignore", help="Keep matching Linears dense: module name or 're:REGEX'."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Scale and dense-tensor dtype: bf16 or fp16.  [default: the model's]"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard."),
+    force: bool = typer.Option(False, "--force", "-f", help="Replace OUT if it exists."),
+    as_json: bool = JSON,
+    quiet: bool = QUIET,
+    debug: bool = DEBUG,
+) -> None:
+    """Quantize MODEL's decoder Linears and write a compressed-tensors checkpoint to OUT."""
+    from quantkit.config import build_recipe
+    from quantkit.formats.save import parse_size
+    from quantkit.quantize import run_quantize
+
+    overrides = {"bits": bits, "group_size": group_size, "method": method, "dtype": dtype,
+                 "symmetric": None if asym is None else not asym}
+    spec = build_recipe(recipe, overrides, ignore)
+    result = run_quantize(model, out, spec, parse_size(max_shard_size), force, Reporter(quiet or as_json))
+    if as_json:
+        print(json.dumps(result.summary(), indent=2))
+    elif not quiet:
+        _quantize_table(result)
+
+
+def _quantize_table(result) -> None:
+    r = result.recipe
+    group = "per channel" if r.group_size is None else f"group {r.group_size}"
+    table = Table(title=f"{result.out}", show_header=False, title_justify="left")
+    table.add_row("scheme", f"{r.method} int{r.bits} {group} {'sym' if r.symmetric else 'asym'}, scales {r.dtype}")
+    table.add_row("quantized Linears", str(result.quantized_modules))
+    table.add_row("size", f"{human_bytes(result.dense_bytes)} dense fp16 -> {human_bytes(result.out_bytes)} "
+                  f"({result.dense_bytes / max(result.out_bytes, 1):.2f}x smaller)")
+    table.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in result.timings_s.items()))
+    stdout.print(table)
+
+
+@app.command(epilog="Example: quantkit inspect smollm2-w4 --json")
+def inspect(
+    path: str = typer.Argument(..., help="Checkpoint directory (or any MODEL quantkit resolves)."),
+    as_json: bool = JSON,
+    debug: bool = DEBUG,
+) -> None:
+    """Show a checkpoint's architecture, quantization scheme, KV-cache scheme, parameters and sizes."""
+    from quantkit.formats.inspect import inspect_checkpoint
+    from quantkit.models import resolve
+
+    info = inspect_checkpoint(resolve(path).path)
+    if as_json:
+        print(json.dumps(info.to_dict(), indent=2))
+        return
+    head = Table(title=info.path, show_header=False, title_justify="left")
+    head.add_row("architecture", f"{info.architecture} ({info.model_type}), {info.layers} layers, hidden {info.hidden_size}, "
+                 f"{info.heads} heads / {info.kv_heads} KV heads, vocab {info.vocab_size}, {info.dtype}")
+    for name, group in info.config_groups.items():
+        w = group.get("weights") or {}
+        size = "per channel" if w.get("strategy") == "channel" else f"group {w.get('group_size')}"
+        head.add_row(f"quantization {name}", f"{w.get('type')}{w.get('num_bits')} {size} "
+                     f"{'symmetric' if w.get('symmetric') else 'asymmetric'} on {', '.join(group.get('targets', []))}")
+    if not info.config_groups:
+        head.add_row("quantization", "none (dense)")
+    head.add_row("ignored (dense)", ", ".join(info.ignore) or "-")
+    kv = info.kv_cache_scheme
+    head.add_row("KV cache", "model dtype" if not kv else f"{kv.get('type')}{kv.get('num_bits')} per {kv.get('strategy')}")
+    head.add_row("parameters", f"{info.parameters / 1e6:.1f} M ({info.quantized_parameters / 1e6:.1f} M quantized)")
+    head.add_row("on disk", f"{human_bytes(info.bytes_on_disk)} vs {human_bytes(info.dense_fp16_bytes)} dense fp16 "
+                 f"({info.ratio:.2f}x smaller)")
+    head.add_row("weight memory at load", human_bytes(info.weight_memory_bytes))
+    stdout.print(head)
+    mods = Table("module", "count", "shape", "storage", title="weights", title_justify="left")
+    for row in info.modules:
+        mods.add_row(row.name, str(row.count), "x".join(map(str, row.shape)), row.storage)
+    stdout.print(mods)
+
+
+@app.callback(invoke_without_command=True)
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
+    if version:
+        print(f"quantkit {__version__}")
+        raise typer.Exit()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app, turning expected failures into one line and exit status 2."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        typer.main.get_command(app).main(args=args, prog_name="quantkit", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        _fail("interrupted", 130)
+    except click.ClickException as e:
+        _fail(e.format_message().splitlines()[0] + " (see --help)", 2)
+    except QuantkitError as e:
+        _raise_or_fail(debug, str(e), 2)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            _raise_or_fail(debug, f"no space left on device ({e.filename or 'writing output'})", 2)
+        _raise_or_fail(debug, f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 2)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except Exception as e:  # a bug: still one line, with the way to the traceback
+        _raise_or_fail(debug, f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
+
+
+def _raise_or_fail(debug: bool, msg: str, code: int) -> None:
+    if debug:
+        stderr.print_exception()
+    _fail(msg, code)
+
+
+def _fail(msg: str, code: int) -> None:
+    stderr.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    sys.exit(code)

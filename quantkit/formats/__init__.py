@@ -1,0 +1,1 @@
+"""The checkpoint on disk: compressed-tensors packing, saving, loading and inspection."""

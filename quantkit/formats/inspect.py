@@ -1,0 +1,115 @@
+"""What a checkpoint holds, read from config.json and the safetensors headers (no weights are loaded)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantkit import QuantkitError
+from quantkit.formats.load import PACKED, quant_config_of, read_header, read_tensors, safetensors_files, scheme_for
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1, "BOOL": 1}
+LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
+
+
+@dataclass(slots=True)
+class ModuleRow:
+    """Weights that share a role across layers, e.g. `model.layers.*.self_attn.q_proj`."""
+
+    name: str
+    count: int
+    shape: list[int]
+    storage: str  # "int4 g64 sym" | "bf16"
+
+
+@dataclass(slots=True)
+class Inspection:
+    path: str
+    architecture: str
+    model_type: str
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    vocab_size: int
+    dtype: str
+    quant_method: str | None
+    quant_format: str | None
+    config_groups: dict[str, Any]
+    ignore: list[str]
+    kv_cache_scheme: dict[str, Any] | None
+    parameters: int
+    quantized_parameters: int
+    bytes_on_disk: int
+    dense_fp16_bytes: int
+    weight_memory_bytes: int
+    modules: list[ModuleRow] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_fp16_bytes / max(self.bytes_on_disk, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["compression_vs_fp16"] = round(self.ratio, 3)
+        return d
+
+
+def storage_label(scheme) -> str:
+    group = "channel" if scheme.group_size is None else f"g{scheme.group_size}"
+    return f"int{scheme.bits} {group} {'sym' if scheme.symmetric else 'asym'}"
+
+
+def inspect_checkpoint(path: Path) -> Inspection:
+    config = json.loads((path / "config.json").read_text())
+    qc = quant_config_of(path) or {}
+    if qc and qc.get("quant_method") != "compressed-tensors":
+        raise QuantkitError(f"{path} is quantized with {qc.get('quant_method')!r}; quantkit inspects compressed-tensors checkpoints")
+    files = safetensors_files(path)
+    headers = {}
+    for f in files:
+        headers.update(read_header(f))
+    shapes = read_tensors(path, [k for k in headers if k.endswith(".weight_shape")])
+    params = qparams = tensor_bytes = 0
+    rows: dict[str, ModuleRow] = {}
+    for key, h in headers.items():
+        tensor_bytes += math.prod(h["shape"]) * DTYPE_BYTES.get(h["dtype"], 2)
+        if key.endswith(PACKED):
+            module = key.removesuffix(PACKED)
+            shape = [int(x) for x in shapes[f"{module}.weight_shape"]]
+            n, label = math.prod(shape), storage_label(scheme_for(module, qc))
+            qparams += n
+        elif re.search(r"\.weight_(shape|scale|zero_point)$", key) or key.endswith(("k_scale", "v_scale")):
+            continue
+        else:
+            module, shape, n, label = key, h["shape"], math.prod(h["shape"]), h["dtype"].lower()
+        params += n
+        role = LAYER_INDEX.sub(".layers.*.", module)
+        row = rows.setdefault(role, ModuleRow(role, 0, shape, label))
+        row.count += 1
+    return Inspection(
+        path=str(path),
+        architecture=(config.get("architectures") or ["?"])[0],
+        model_type=config.get("model_type", "?"),
+        layers=int(config.get("num_hidden_layers", 0)),
+        hidden_size=int(config.get("hidden_size", 0)),
+        heads=int(config.get("num_attention_heads", 0)),
+        kv_heads=int(config.get("num_key_value_heads", config.get("num_attention_heads", 0))),
+        vocab_size=int(config.get("vocab_size", 0)),
+        dtype=str(config.get("dtype") or config.get("torch_dtype") or "?"),
+        quant_method=qc.get("quant_method"),
+        quant_format=qc.get("format"),
+        config_groups=qc.get("config_groups", {}),
+        ignore=qc.get("ignore", []),
+        kv_cache_scheme=qc.get("kv_cache_scheme"),
+        parameters=params,
+        quantized_parameters=qparams,
+        bytes_on_disk=sum(f.stat().st_size for f in files),
+        dense_fp16_bytes=params * 2,
+        weight_memory_bytes=tensor_bytes,
+        modules=list(rows.values()),
+    )

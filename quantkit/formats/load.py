@@ -1,0 +1,121 @@
+"""Read compressed-tensors checkpoints: their config, their tensors, and dense weights dequantized from them."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from quantkit import QuantkitError
+from quantkit.config import Scheme
+from quantkit.formats.pack import unpack_int32
+from quantkit.quant.qparams import dequantize
+
+PACKED = ".weight_packed"
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise QuantkitError(f"no .safetensors files in {path}")
+    return files
+
+
+def read_header(file: Path) -> dict[str, Any]:
+    """The safetensors JSON header (names, dtypes, shapes, offsets) without reading any tensor data."""
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or n > 100_000_000 or n + 8 > file.stat().st_size:
+                raise ValueError("header length out of range")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise QuantkitError(f"corrupt safetensors file {file}: {e}") from e
+    header.pop("__metadata__", None)
+    return header
+
+
+def read_tensors(path: Path, names: list[str] | None = None) -> dict[str, Tensor]:
+    """Load tensors from every shard (all, or only `names`); a damaged file is one clear error."""
+    wanted = set(names) if names is not None else None
+    tensors: dict[str, Tensor] = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if wanted is None or key in wanted:
+                        tensors[key] = f.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise QuantkitError(f"corrupt safetensors file {file}: {str(e).splitlines()[0]}") from e
+    return tensors
+
+
+def quant_config_of(path: Path) -> dict[str, Any] | None:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise QuantkitError(f"cannot read {path / 'config.json'}: {e}") from e
+    return config.get("quantization_config")
+
+
+def scheme_for(module: str, quant_config: dict[str, Any]) -> Scheme:
+    """The weight scheme of the config group whose targets match this packed module."""
+    for group in quant_config.get("config_groups", {}).values():
+        if any(_target_matches(module, t) for t in group.get("targets", [])):
+            w = group["weights"]
+            group_size = w.get("group_size") if w.get("strategy") == "group" else None
+            return Scheme(bits=int(w["num_bits"]), group_size=group_size, symmetric=bool(w.get("symmetric", True)))
+    raise QuantkitError(f"checkpoint has packed weights for {module} but no config group targets it")
+
+
+def _target_matches(module: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == "Linear" or target == module  # only Linear weights are ever packed
+
+
+def dequantize_module(tensors: dict[str, Tensor], module: str, scheme: Scheme) -> Tensor:
+    """Dense weight [out, in] in the scale's dtype from `module.weight_packed` / `_scale` / `_zero_point`."""
+    out_features, in_features = (int(x) for x in tensors[f"{module}.weight_shape"])
+    scale = tensors[f"{module}.weight_scale"]
+    q = unpack_int32(tensors[module + PACKED], scheme.bits, in_features, dim=1)
+    zp_packed = tensors.get(f"{module}.weight_zero_point")
+    zp = None if zp_packed is None else unpack_int32(zp_packed, scheme.bits, out_features, dim=0)
+    return dequantize(q, scale, zp).to(scale.dtype)
+
+
+def dense_state_dict(path: Path) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint, with packed weights replaced by their dequantized `weight`."""
+    tensors = read_tensors(path)
+    quant_config = quant_config_of(path) or {}
+    out: dict[str, Tensor] = {}
+    for key, value in tensors.items():
+        if key.endswith(PACKED):
+            module = key.removesuffix(PACKED)
+            out[f"{module}.weight"] = dequantize_module(tensors, module, scheme_for(module, quant_config))
+        elif not re.search(r"\.weight_(shape|scale|zero_point)$", key):
+            out[key] = value
+    return out
+
+
+def load_dequantized_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """An HF model whose weights are dequantized from our checkpoint: quantkit's own reading of it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: v.to(dtype) for k, v in dense_state_dict(path).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise QuantkitError(f"checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()

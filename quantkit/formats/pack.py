@@ -1,0 +1,51 @@
+"""The one place that knows bit packing: compressed-tensors `pack-quantized` int32 words.
+
+Signed values are offset to unsigned (+8 at 4 bits, +128 at 8 bits) and packed along one dimension,
+element 0 in the lowest bits of a word: 8 nibbles or 4 bytes per int32. Weights pack along the input
+dim (1); zero points pack along the output dim (0). 4 and 8 bits divide 32, so no value straddles words.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SUPPORTED_BITS = (4, 8)
+
+
+def pack_int32(values: Tensor, bits: int, dim: int = 1) -> Tensor:
+    """values int8 [rows, cols] in [-2^(bits-1), 2^(bits-1)) -> int32 packed along `dim`."""
+    per_word = _per_word(bits)
+    v = values.to(torch.int64) + (1 << (bits - 1))  # [rows, cols], unsigned
+    if dim == 0:
+        v = v.t()
+    rows, cols = v.shape
+    pad = -cols % per_word
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    v = v.reshape(rows, -1, per_word)  # [rows, words, per_word]
+    shifts = torch.arange(per_word, dtype=torch.int64, device=v.device) * bits
+    words = (v << shifts).sum(dim=-1)  # [rows, words], fits in 32 unsigned bits
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return (words.t() if dim == 0 else words).contiguous()
+
+
+def unpack_int32(packed: Tensor, bits: int, length: int, dim: int = 1) -> Tensor:
+    """int32 packed along `dim` -> int8 signed values; `length` is the unpacked size of `dim`."""
+    per_word = _per_word(bits)
+    w = packed.t() if dim == 0 else packed
+    shifts = torch.arange(per_word, dtype=torch.int64, device=w.device) * bits
+    v = (w.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, words, per_word]
+    v = v.reshape(w.shape[0], -1)[:, :length] - (1 << (bits - 1))
+    v = v.to(torch.int8)
+    return (v.t() if dim == 0 else v).contiguous()
+
+
+def packed_width(length: int, bits: int) -> int:
+    return -(-length // _per_word(bits))
+
+
+def _per_word(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"pack-quantized supports {SUPPORTED_BITS} bits here, got {bits}")
+    return 32 // bits

@@ -1,0 +1,1 @@
+"""Weight quantization algorithms: pure functions over tensors (never imports runtime or kernels)."""
