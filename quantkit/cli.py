@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 from rich.table import Table
+
+# Typer may carry its own copy of click: find its usage-error base class through a public name.
+ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 from quantkit import QuantkitError, __version__
 from quantkit.ui import Reporter, human_bytes, stderr, stdout
@@ -129,12 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
-        typer.main.get_command(app).main(args=args, prog_name="quantkit", standalone_mode=False)
-    except click.exceptions.Exit as e:
+        code = typer.main.get_command(app).main(args=args, prog_name="quantkit", standalone_mode=False)
+    except typer.Exit as e:
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except typer.Abort:
         _fail("interrupted", 130)
-    except click.ClickException as e:
+    except ClickException as e:
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()
+            sys.exit(2)
         _fail(e.format_message().splitlines()[0] + " (see --help)", 2)
     except QuantkitError as e:
         _raise_or_fail(debug, str(e), 2)
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail("interrupted", 130)
     except Exception as e:  # a bug: still one line, with the way to the traceback
         _raise_or_fail(debug, f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _raise_or_fail(debug: bool, msg: str, code: int) -> None:

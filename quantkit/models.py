@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def resolve(spec: str, status=None) -> ResolvedModel:
     if path.exists():
         raise QuantkitError(f"{spec} is a file, not a model: give an HF directory, a .gguf file, a hub id or smollm2-135m")
     if HUB_ID.match(spec) and not spec.startswith((".", "/")):
-        return ResolvedModel(spec, "hub", _download(spec, say))
+        return ResolvedModel(spec, "hub", _download(spec))
     raise QuantkitError(
         f"model not found: {spec} (give a local HF directory, a hub id like org/name, a .gguf file, "
         f"or the built-in {', '.join(ALIASES)})"
@@ -93,7 +94,8 @@ def _gguf_to_dir(gguf: Path, name: str, say) -> Path:
     try:
         with _quiet_transformers():
             try:
-                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+                with _no_tqdm():  # transformers' GGUF reader draws its own bar; our spinner says enough
+                    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
                 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             except Exception as e:  # gguf raises many kinds on a bad file
                 raise QuantkitError(f"cannot read GGUF {gguf}: {_one_line(e)}") from e
@@ -110,10 +112,8 @@ def _gguf_to_dir(gguf: Path, name: str, say) -> Path:
     return out
 
 
-def _download(repo_id: str, say) -> Path:
+def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
-
-    say(f"fetching {repo_id} from the Hugging Face hub")
     try:
         return Path(
             snapshot_download(
@@ -201,6 +201,23 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList):
         raise QuantkitError(f"unsupported architecture {type(model).__name__}: no decoder layers at model.layers")
     return layers
+
+
+@contextmanager
+def _no_tqdm():
+    import tqdm
+
+    original = tqdm.tqdm.__init__
+
+    def silent(self, *args, **kwargs):
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    tqdm.tqdm.__init__ = silent
+    try:
+        yield
+    finally:
+        tqdm.tqdm.__init__ = original
 
 
 class _quiet_transformers:

@@ -73,7 +73,8 @@ def run_quantize(spec: str, out: Path, recipe: Recipe, max_shard_bytes: int, for
     notes: list[str] = []
     check_output(out, force)
     start = time.perf_counter()
-    resolved = resolve(spec, status=ui.note)
+    with ui.step(f"resolving {spec}"):
+        resolved = resolve(spec, status=ui.note)
     config = read_config(resolved.path)
     check_supported(config, resolved.path)
     recipe.dtype = recipe.dtype or source_dtype(config)

@@ -79,27 +79,30 @@ def _target_matches(module: str, target: str) -> bool:
     return target == "Linear" or target == module  # only Linear weights are ever packed
 
 
-def dequantize_module(tensors: dict[str, Tensor], module: str, scheme: Scheme) -> Tensor:
-    """Dense weight [out, in] in the scale's dtype from `module.weight_packed` / `_scale` / `_zero_point`."""
+def dequantize_module(tensors: dict[str, Tensor], module: str, scheme: Scheme, dtype: torch.dtype | None = None) -> Tensor:
+    """Dense weight [out, in] from `module.weight_packed` / `_scale` / `_zero_point`, rounded once to `dtype`
+    (default: the scale's dtype)."""
     out_features, in_features = (int(x) for x in tensors[f"{module}.weight_shape"])
     scale = tensors[f"{module}.weight_scale"]
     q = unpack_int32(tensors[module + PACKED], scheme.bits, in_features, dim=1)
     zp_packed = tensors.get(f"{module}.weight_zero_point")
     zp = None if zp_packed is None else unpack_int32(zp_packed, scheme.bits, out_features, dim=0)
-    return dequantize(q, scale, zp).to(scale.dtype)
+    return dequantize(q, scale, zp).to(dtype or scale.dtype)
 
 
-def dense_state_dict(path: Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint, with packed weights replaced by their dequantized `weight`."""
+def dense_state_dict(path: Path, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint, with packed weights replaced by their dequantized `weight`.
+
+    With `dtype`, every floating tensor comes in that dtype (packed weights rounded once, from float32)."""
     tensors = read_tensors(path)
     quant_config = quant_config_of(path) or {}
     out: dict[str, Tensor] = {}
     for key, value in tensors.items():
         if key.endswith(PACKED):
             module = key.removesuffix(PACKED)
-            out[f"{module}.weight"] = dequantize_module(tensors, module, scheme_for(module, quant_config))
+            out[f"{module}.weight"] = dequantize_module(tensors, module, scheme_for(module, quant_config), dtype)
         elif not re.search(r"\.weight_(shape|scale|zero_point)$", key):
-            out[key] = value
+            out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
     return out
 
 
@@ -111,7 +114,7 @@ def load_dequantized_model(path: Path, dtype: torch.dtype = torch.float32) -> to
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {k: v.to(dtype) for k, v in dense_state_dict(path).items()}
+    state = dense_state_dict(path, dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

@@ -89,7 +89,7 @@ def quantize_model(
             on_layer(last_layer)
         last_layer = t.layer
         qw = rtn(t.module.weight, scheme, scale_dtype)
-        t.module.weight.copy_(qw.dequantize().to(t.module.weight.dtype))
+        t.module.weight.copy_(qw.dequantize(t.module.weight.dtype))
         out[t.name] = qw
     if on_layer and last_layer is not None:
         on_layer(last_layer)

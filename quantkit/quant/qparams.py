@@ -24,8 +24,9 @@ class QuantizedWeight:
     zero_point: Tensor | None
     scheme: Scheme
 
-    def dequantize(self) -> Tensor:
-        return dequantize(self.q, self.scale, self.zero_point).to(self.scale.dtype)
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The weight a consumer reconstructs, rounded once to `dtype` (default: the scale's dtype)."""
+        return dequantize(self.q, self.scale, self.zero_point).to(dtype or self.scale.dtype)
 
 
 def grouped(w: Tensor, group_size: int | None) -> Tensor:

@@ -1,0 +1,49 @@
+"""Packing is byte-exact against the reference implementation, compressed-tensors."""
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from quantkit.formats.pack import pack_int32, packed_width, unpack_int32
+
+
+def random_ints(bits: int, shape, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    lo = -(1 << (bits - 1))
+    return torch.randint(lo, -lo, shape, generator=g, dtype=torch.int8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(16, 64), (7, 40), (3, 13)])
+def test_weights_pack_like_compressed_tensors(bits, shape, device):
+    q = random_ints(bits, shape).to(device)
+    ours = pack_int32(q, bits, dim=1)
+    assert ours.dtype == torch.int32 and ours.shape == (shape[0], packed_width(shape[1], bits))
+    assert torch.equal(ours.cpu(), pack_to_int32(q.cpu(), bits, packed_dim=1))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(64, 4), (40, 1), (13, 9)])
+def test_zero_points_pack_along_output_dim_like_compressed_tensors(bits, shape, device):
+    zp = random_ints(bits, shape, seed=1).to(device)
+    ours = pack_int32(zp, bits, dim=0)
+    assert ours.shape == (packed_width(shape[0], bits), shape[1])
+    assert torch.equal(ours.cpu(), pack_to_int32(zp.cpu(), bits, packed_dim=0))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_unpack_inverts_pack(bits, dim, device):
+    q = random_ints(bits, (24, 37), seed=2).to(device)
+    assert torch.equal(unpack_int32(pack_int32(q, bits, dim), bits, q.shape[dim], dim), q)
+
+
+def test_element_zero_sits_in_the_lowest_bits():
+    q = torch.tensor([[-8, -7, 0, 0, 0, 0, 0, 7]], dtype=torch.int8)  # +8 -> 0, 1, 8, 8, 8, 8, 8, 15
+    word = int(pack_int32(q, 4)[0, 0]) & 0xFFFFFFFF
+    assert [(word >> (4 * i)) & 0xF for i in range(8)] == [0, 1, 8, 8, 8, 8, 8, 15]
+
+
+def test_unsupported_width_is_refused():
+    with pytest.raises(ValueError):
+        pack_int32(torch.zeros(2, 8, dtype=torch.int8), 3)
