@@ -34,7 +34,8 @@ QUIET = typer.Option(False, "--quiet", "-q", help="No progress and no summary ta
 
 
 @app.command(
-    epilog="Example: quantkit quantize smollm2-135m --bits 4 -o smollm2-w4",
+    epilog="Examples: quantkit quantize smollm2-135m --bits 4 -o smollm2-w4  |  "
+    "quantkit quantize smollm2-135m --method gptq -g 64 --kv-cache fp8 -o smollm2-gptq",
 )
 def quantize(
     model: str = typer.Argument(..., help="Local HF directory, hub id (org/name), .gguf file, or smollm2-135m."),
@@ -44,7 +45,20 @@ def quantize(
         None, "--group-size", "-g", help="Columns per scale; -1 = per channel.  [default: 128 at 4 bits, per channel at 8]"
     ),
     asym: Optional[bool] = typer.Option(None, "--asym/--sym", help="Asymmetric (zero points) or symmetric.  [default: sym]"),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="Algorithm: rtn.  [default: rtn]"),
+    method: Optional[str] = typer.Option(
+        None, "--method", "-m", help="rtn, gptq, awq, none (weights dense), bnb-nf4 or bnb-int8.  [default: rtn]"
+    ),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="fp8: calibrate static FP8 KV-cache scales."),
+    kv_strategy: Optional[str] = typer.Option(None, "--kv-strategy", help="KV scales per 'tensor' or per KV 'head'."),
+    actorder: Optional[bool] = typer.Option(None, "--actorder/--no-actorder", help="GPTQ: static activation order."),
+    calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin, a .txt/.jsonl/.parquet file, or a hub dataset."),
+    calib_samples: int = typer.Option(128, "--calib-samples", help="Calibration rows."),
+    calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per calibration row."),
+    calib_split: str = typer.Option("train", "--calib-split", help="Split of a hub dataset."),
+    calib_column: str = typer.Option("text", "--calib-column", help="Text column of a dataset or JSONL file."),
+    chat_template: bool = typer.Option(False, "--chat-template", help="Format 'messages' rows with the chat template."),
+    seed: int = typer.Option(0, "--seed", help="Calibration sampling seed."),
+    device: str = typer.Option("auto", "--device", help="Where each layer is quantized: cpu, cuda or auto."),
     recipe: list[str] = typer.Option([], "--recipe", "-r", help="Recipe YAML file or bundled name; repeat to compose."),
     ignore: list[str] = typer.Option([], "--ignore", help="Keep matching Linears dense: module name or 're:REGEX'."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Scale and dense-tensor dtype: bf16 or fp16.  [default: the model's]"),
@@ -59,10 +73,14 @@ def quantize(
     from quantkit.formats.save import parse_size
     from quantkit.quantize import run_quantize
 
+    from quantkit.calib.data import CalibConfig
+
     overrides = {"bits": bits, "group_size": group_size, "method": method, "dtype": dtype,
-                 "symmetric": None if asym is None else not asym}
+                 "symmetric": None if asym is None else not asym, "kv_cache": kv_cache, "kv_strategy": kv_strategy,
+                 "actorder": None if actorder is None else ("static" if actorder else "none")}
     spec = build_recipe(recipe, overrides, ignore)
-    result = run_quantize(model, out, spec, parse_size(max_shard_size), force, Reporter(quiet or as_json))
+    calib_cfg = CalibConfig(calib, calib_samples, calib_seqlen, seed, calib_split, calib_column, chat_template)
+    result = run_quantize(model, out, spec, parse_size(max_shard_size), force, Reporter(quiet or as_json), calib_cfg, device)
     if as_json:
         print(json.dumps(result.summary(), indent=2))
     elif not quiet:
@@ -73,11 +91,17 @@ def _quantize_table(result) -> None:
     r = result.recipe
     group = "per channel" if r.group_size is None else f"group {r.group_size}"
     table = Table(title=f"{result.out}", show_header=False, title_justify="left")
-    table.add_row("scheme", f"{r.method} int{r.bits} {group} {'sym' if r.symmetric else 'asym'}, scales {r.dtype}")
+    weights = f"{r.method} int{r.bits} {group} {'sym' if r.symmetric else 'asym'}, scales {r.dtype}" if r.scheme() else "dense"
+    if r.method.startswith("bnb"):
+        weights = "bitsandbytes NF4, blocks of 64" if r.method == "bnb-nf4" else "bitsandbytes LLM.int8"
+    table.add_row("scheme", weights + (f"; KV cache fp8 per {r.kv_strategy}" if r.kv_cache else ""))
+    if result.calibration:
+        table.add_row("calibration", result.calibration)
     table.add_row("quantized Linears", str(result.quantized_modules))
     table.add_row("size", f"{human_bytes(result.dense_bytes)} dense fp16 -> {human_bytes(result.out_bytes)} "
                   f"({result.dense_bytes / max(result.out_bytes, 1):.2f}x smaller)")
     table.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in result.timings_s.items()))
+    table.add_row("peak memory", human_bytes(result.peak_rss_bytes))
     stdout.print(table)
 
 

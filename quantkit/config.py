@@ -16,7 +16,9 @@ import yaml
 
 from quantkit import QuantkitError
 
-METHODS = ("rtn",)
+METHODS = ("rtn", "gptq", "awq", "none", "bnb-nf4", "bnb-int8")
+CALIBRATED = ("gptq", "awq")
+KV_STRATEGIES = ("tensor", "head")
 DTYPES = ("bf16", "fp16")
 DEFAULT_GROUP_4BIT = 128
 FALLBACK_GROUPS = (64, 32)
@@ -55,9 +57,21 @@ class Recipe:
     symmetric: bool = True
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     dtype: str | None = None
+    kv_cache: str | None = None  # "fp8": static FP8 KV-cache scales from calibration
+    kv_strategy: str = "tensor"  # "tensor" | "head"
+    actorder: str | None = None  # GPTQ column order: None or "static"
+    damp: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added before inverting
+    block_size: int = 128  # GPTQ: columns updated together
 
-    def scheme(self) -> Scheme:
+    def scheme(self) -> Scheme | None:
+        """The weight scheme, or None when weights stay dense (method none)."""
+        if self.method == "none":
+            return None
         return Scheme(bits=self.bits, group_size=self.group_size, symmetric=self.symmetric)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in CALIBRATED or self.kv_cache is not None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -66,7 +80,8 @@ class Recipe:
 
 
 # Fields a recipe file (and the command line) may set, with their checks.
-RECIPE_FIELDS = ("name", "method", "bits", "group_size", "symmetric", "ignore", "dtype")
+RECIPE_FIELDS = ("name", "method", "bits", "group_size", "symmetric", "ignore", "dtype", "kv_cache", "kv_strategy",
+                 "actorder", "damp", "block_size")
 
 
 def _bad(where: str, name: str, msg: str) -> QuantkitError:
@@ -109,6 +124,28 @@ def validate_field(name: str, value: Any, where: str) -> Any:
     if name == "dtype":
         if value not in DTYPES:
             raise _bad(where, name, f"must be one of {', '.join(DTYPES)}, got {value!r}")
+        return value
+    if name == "kv_cache":
+        if value not in (None, "fp8", "none"):
+            raise _bad(where, name, f"must be fp8 or none, got {value!r}")
+        return None if value == "none" else value
+    if name == "kv_strategy":
+        if value not in KV_STRATEGIES:
+            raise _bad(where, name, f"must be one of {', '.join(KV_STRATEGIES)}, got {value!r}")
+        return value
+    if name == "actorder":
+        if value in (None, False, "none"):
+            return None
+        if value not in ("static", True):
+            raise _bad(where, name, f"must be static or none, got {value!r}")
+        return "static"
+    if name == "damp":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+            raise _bad(where, name, f"must be a number between 0 and 1, got {value!r}")
+        return float(value)
+    if name == "block_size":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _bad(where, name, f"must be a positive integer, got {value!r}")
         return value
     raise QuantkitError(f"{where}: unknown field '{name}' (known: {', '.join(RECIPE_FIELDS)})")
 

@@ -185,6 +185,44 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
+def skeleton(path: Path, compute_dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The model with every weight on the meta device (no memory), except the embedding and the rotary
+    tables, which the walk needs to compute the first layer's inputs. Layers are filled in one at a time
+    by `load_layer`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.formats.load import SafetensorsSource
+
+    config = read_config(path)
+    check_supported(config, path)
+    with _quiet_transformers():
+        hf_config = AutoConfig.from_pretrained(path)
+        hf_config.use_cache = False
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=compute_dtype, attn_implementation="sdpa")
+    inner = model.model
+    embed = inner.embed_tokens
+    embed.to_empty(device=device)
+    embed.weight.data.copy_(SafetensorsSource(path).get("model.embed_tokens.weight"))
+    with torch.device(device):  # its tables are non-persistent buffers: recompute them for real
+        inner.rotary_emb = type(inner.rotary_emb)(config=hf_config)
+    return model.eval()
+
+
+def load_layer(layer: torch.nn.Module, prefix: str, source, device: str) -> torch.nn.Module:
+    """Materialize one decoder layer's weights (read from `source` by name) on `device`."""
+    dtype = next(layer.parameters()).dtype
+    layer.to_empty(device=device)
+    state = {k: source.get(f"{prefix}.{k}").to(dtype) for k in layer.state_dict()}
+    layer.load_state_dict(state, strict=True)
+    return layer
+
+
+def release_layer(layer: torch.nn.Module) -> None:
+    """Give a finished layer's memory back (its modules stay, on the meta device)."""
+    layer.to("meta")
+
+
 def load_tokenizer(path: Path):
     """The tokenizer, or None when the directory has none (tiny test models)."""
     from transformers import AutoTokenizer

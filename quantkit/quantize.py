@@ -1,61 +1,96 @@
-"""The `quantize` job: resolve and load MODEL, quantize its decoder Linears, write the checkpoint.
+"""The `quantize` job: resolve MODEL, walk its decoder layers one at a time, stream the checkpoint out.
 
-This is the only place that strings the stages together; each stage lives in its own module.
+Only the current layer's weights are in memory (read by name from the safetensors shards), plus the
+calibration activations and at most one output shard, so models larger than memory quantize too.
+This module strings the stages together; each stage lives in its own module.
 """
 
 from __future__ import annotations
 
+import resource
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 import quantkit
+from quantkit import QuantkitError
+from quantkit.calib.data import CalibConfig, build
+from quantkit.calib.sequential import Batch, LayerResult, first_layer_inputs, quantize_layer
 from quantkit.config import Recipe
-from quantkit.formats.save import check_output, quantization_config, save_checkpoint
+from quantkit.formats.load import SafetensorsSource
+from quantkit.formats.save import (
+    ShardWriter,
+    atomic_dir,
+    check_output,
+    compressed_tensors_of,
+    quantization_config,
+    write_manifest,
+    write_metadata,
+)
 from quantkit.models import (
     DTYPES,
     check_supported,
     decoder_layers,
-    load_model,
+    load_layer,
     load_tokenizer,
     read_config,
+    release_layer,
     resolve,
+    skeleton,
     source_dtype,
     source_hash,
     weight_files,
 )
-from quantkit.quant.apply import find_targets, matches, quantize_model, resolve_group_size
+from quantkit.quant.apply import Target, find_targets, matches, resolve_group_size
+from quantkit.quant.kv_fp8 import kv_scale
 from quantkit.ui import Reporter
+
+CALIB_BATCH = 8  # calibration rows run through a layer at once
 
 
 @dataclass(slots=True)
 class QuantizeResult:
     out: Path
     recipe: Recipe
-    model: nn.Module  # fake-quantized in place: what the checkpoint dequantizes to
     quantized_modules: int
     dense_bytes: int
     out_bytes: int
     files: list[str]
     timings_s: dict[str, float]
-    notes: list[str]
+    peak_rss_bytes: int
+    calibration: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
             "out": str(self.out),
             "recipe": self.recipe.to_dict(),
+            "calibration": self.calibration,
             "quantized_modules": self.quantized_modules,
             "dense_bytes": self.dense_bytes,
             "out_bytes": self.out_bytes,
             "compression": round(self.dense_bytes / max(self.out_bytes, 1), 3),
             "files": self.files,
             "timings_s": self.timings_s,
+            "peak_rss_bytes": self.peak_rss_bytes,
             "notes": self.notes,
         }
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise QuantkitError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    if device not in ("cpu", "cuda"):
+        raise QuantkitError(f"--device must be cpu, cuda or auto, got {device!r}")
+    return device
 
 
 def dense_ignore(model: nn.Module, patterns: list[str], quantized: set[str]) -> list[str]:
@@ -68,10 +103,70 @@ def dense_ignore(model: nn.Module, patterns: list[str], quantized: set[str]) -> 
     return [*patterns, *extra]
 
 
-def run_quantize(spec: str, out: Path, recipe: Recipe, max_shard_bytes: int, force: bool, ui: Reporter) -> QuantizeResult:
+def by_layer(targets: list[Target], n: int) -> list[list[Target]]:
+    out: list[list[Target]] = [[] for _ in range(n)]
+    for t in targets:
+        out[t.layer].append(t)
+    return out
+
+
+def walk(
+    layers: nn.ModuleList,
+    targets: list[list[Target]],
+    batches: list[Batch] | None,
+    recipe: Recipe,
+    scale_dtype: torch.dtype,
+    load: Callable[[int, nn.Module], None] = lambda i, layer: None,
+    release: Callable[[nn.Module], None] = lambda layer: None,
+) -> Iterator[tuple[int, nn.Module, LayerResult]]:
+    """Quantize layer after layer; yields each finished layer (still materialized) with its result."""
+    for i, layer in enumerate(layers):
+        load(i, layer)
+        result, batches = quantize_layer(layer, f"model.layers.{i}", targets[i], batches, recipe, scale_dtype)
+        yield i, layer, result
+        release(layer)
+
+
+def calibration_batches(model, layers, recipe: Recipe, calib: CalibConfig, tokenizer, device: str, notes: list[str], ui: Reporter):
+    if not recipe.needs_calibration:
+        return None, None
+    with ui.step("tokenizing calibration data"):
+        calib_set = build(calib, tokenizer)
+    for w in calib_set.warnings:
+        notes.append(w)
+        ui.note(w)
+    with ui.step("computing the first layer's inputs"):
+        batches = first_layer_inputs(model, layers, calib_set.ids, CALIB_BATCH, device)
+    return batches, f"{calib.source}: {calib_set.describe()}, seed {calib.seed}"
+
+
+def write_layer(writer: ShardWriter, layer: nn.Module, prefix: str, result: LayerResult, recipe: Recipe, dtype: torch.dtype) -> None:
+    for key, tensor in layer.state_dict().items():
+        module = f"{prefix}.{key.removesuffix('.weight')}"
+        if key.endswith(".weight") and module in result.qweights:
+            for name, t in compressed_tensors_of(module, result.qweights[module]).items():
+                writer.add(name, t)
+        else:
+            writer.add(f"{prefix}.{key}", tensor.to(dtype))
+    for kind, amax in result.kv_absmax.items():
+        writer.add(f"{prefix}.self_attn.{kind}_scale", kv_scale(amax, recipe.kv_strategy, dtype))
+
+
+def run_quantize(
+    spec: str,
+    out: Path,
+    recipe: Recipe,
+    max_shard_bytes: int,
+    force: bool,
+    ui: Reporter,
+    calib: CalibConfig | None = None,
+    device: str = "auto",
+) -> QuantizeResult:
+    calib = calib or CalibConfig()
     timings: dict[str, float] = {}
     notes: list[str] = []
     check_output(out, force)
+    device = pick_device(device)
     start = time.perf_counter()
     with ui.step(f"resolving {spec}"):
         resolved = resolve(spec, status=ui.note)
@@ -79,50 +174,101 @@ def run_quantize(spec: str, out: Path, recipe: Recipe, max_shard_bytes: int, for
     check_supported(config, resolved.path)
     recipe.dtype = recipe.dtype or source_dtype(config)
     dtype = DTYPES[recipe.dtype]
-    with ui.step(f"loading {spec}"):
-        model = load_model(resolved, dtype)
+    if recipe.method.startswith("bnb"):
+        from quantkit.formats.bnb import run_bnb
+
+        return run_bnb(resolved, out, recipe, force, ui)
+    with ui.step(f"reading {spec}"):
+        model = skeleton(resolved.path, torch.float32, device)
+        source = SafetensorsSource(resolved.path)
         tokenizer = load_tokenizer(resolved.path)
     if tokenizer is None:
         notes.append(f"no tokenizer in {resolved.path}; the checkpoint will have none")
-    timings["load"] = round(time.perf_counter() - start, 3)
-
-    start = time.perf_counter()
     layers = decoder_layers(model)
-    targets = find_targets(layers, "model.layers", recipe.ignore)
+    targets = find_targets(layers, "model.layers", recipe.ignore) if recipe.scheme() else []
     if note := resolve_group_size(recipe, targets):
         notes.append(note)
         ui.note(note)
-    with ui.bar(f"quantizing ({recipe.method}, int{recipe.bits})", len(layers)) as advance:
-        qweights = quantize_model(targets, recipe, dtype, on_layer=lambda i: advance())
-    timings["quantize"] = round(time.perf_counter() - start, 3)
+    batches, calibration = calibration_batches(model, layers, recipe, calib, tokenizer, device, notes, ui)
+    timings["load"] = round(time.perf_counter() - start, 3)
 
     start = time.perf_counter()
     with ui.step("hashing source weights"):
         files = [resolved.source_file] if resolved.source_file else weight_files(resolved.path)
         digest = source_hash(files)
     timings["hash"] = round(time.perf_counter() - start, 3)
-    manifest = {
-        "quantkit_version": quantkit.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "recipe": recipe.to_dict(),
-        "source": {"model": spec, "kind": resolved.kind, "files": [f.name for f in files], "sha256": digest},
-        "timings_s": dict(timings),
-        "notes": notes,
-    }
-    qconfig = quantization_config(recipe.scheme(), dense_ignore(model, recipe.ignore, set(qweights)))
-    with ui.bar("saving", None) as advance:
-        names = save_checkpoint(out, model, tokenizer, qweights, qconfig, manifest, max_shard_bytes, force,
-                                on_shard=lambda i, n: advance(1, total=n))
-    timings["save"] = manifest["timings_s"]["save"]
-    params = sum(p.numel() for p in model.parameters())  # tied weights count once
+
+    start = time.perf_counter()
+    quantized: set[str] = set()
+    with atomic_dir(out, force) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        for key in model.state_dict():  # embeddings, final norm, untied lm_head: dense, from the source
+            if not key.startswith("model.layers.") and not (key == "lm_head.weight" and config.get("tie_word_embeddings")):
+                writer.add(key, source.get(key).to(dtype))
+        label = f"quantizing ({recipe.method}" + (f", int{recipe.bits})" if recipe.scheme() else ")")
+        with ui.bar(label, len(layers)) as advance:
+            for i, layer, result in walk(
+                layers, by_layer(targets, len(layers)), batches, recipe, dtype,
+                load=lambda i, layer: load_layer(layer, f"model.layers.{i}", source, device),
+                release=release_layer,
+            ):
+                write_layer(writer, layer, f"model.layers.{i}", result, recipe, dtype)
+                quantized |= set(result.qweights)
+                advance()
+        timings["quantize"] = round(time.perf_counter() - start, 3)
+        start = time.perf_counter()
+        with ui.step("writing the checkpoint"):
+            names = writer.finish()
+            kv = recipe.kv_strategy if recipe.kv_cache else None
+            actorder = recipe.actorder if recipe.method == "gptq" else None
+            qconfig = quantization_config(recipe.scheme(), dense_ignore(model, recipe.ignore, quantized), kv, actorder)
+            write_metadata(tmp, model.config, _generation_config(resolved.path), tokenizer, qconfig, dtype)
+            timings["save"] = round(time.perf_counter() - start, 3)
+            write_manifest(tmp, {
+                "quantkit_version": quantkit.__version__,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "recipe": recipe.to_dict(),
+                "calibration": calibration,
+                "source": {"model": spec, "kind": resolved.kind, "files": [f.name for f in files], "sha256": digest},
+                "timings_s": dict(timings),
+                "notes": notes,
+            })
+    params = source.parameters(bool(config.get("tie_word_embeddings")))
     return QuantizeResult(
         out=out,
         recipe=recipe,
-        model=model,
-        quantized_modules=len(qweights),
+        quantized_modules=len(quantized),
         dense_bytes=params * 2,
         out_bytes=sum((out / n).stat().st_size for n in names),
         files=names,
         timings_s=timings,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        calibration=calibration,
         notes=notes,
     )
+
+
+def _generation_config(path: Path):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def quantize_loaded(model: nn.Module, recipe: Recipe, scale_dtype: torch.dtype, calib_ids: torch.Tensor | None = None) -> dict[str, LayerResult]:
+    """Quantize a model already in memory, in place: its Linears become their fake-quantized values.
+
+    The same walk as `run_quantize`, without disk; the reference the tests hold checkpoints against.
+    """
+    layers = decoder_layers(model)
+    targets = find_targets(layers, "model.layers", recipe.ignore) if recipe.scheme() else []
+    resolve_group_size(recipe, targets)
+    batches = None
+    if recipe.needs_calibration:
+        if calib_ids is None:
+            raise QuantkitError(f"method {recipe.method} needs calibration rows")
+        device = next(model.parameters()).device.type
+        batches = first_layer_inputs(model, layers, calib_ids, CALIB_BATCH, device)
+    return {f"model.layers.{i}": r for i, _, r in walk(layers, by_layer(targets, len(layers)), batches, recipe, scale_dtype)}

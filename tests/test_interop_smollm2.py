@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from quantkit.config import build_recipe
-from quantkit.models import decoder_layers
-from quantkit.quant.apply import find_targets, quantize_model, resolve_group_size
+from quantkit.quantize import quantize_loaded
 
 pytestmark = pytest.mark.integration
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -27,10 +26,7 @@ def fake_quantized_fp32(smollm2_dir, bits):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    recipe = build_recipe([], {"bits": bits})
-    targets = find_targets(decoder_layers(model), "model.layers", recipe.ignore)
-    resolve_group_size(recipe, targets)
-    quantize_model(targets, recipe, torch.bfloat16)
+    quantize_loaded(model, build_recipe([], {"bits": bits}), torch.bfloat16)
     return model
 
 

@@ -2,6 +2,7 @@
 
 import errno
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,9 +12,10 @@ from safetensors import safe_open
 
 from quantkit import QuantkitError
 from quantkit.config import build_recipe
+import quantkit.quantize as quantize_mod
 from quantkit.formats import save as save_mod
 from quantkit.formats.load import dense_state_dict, load_dequantized_model, read_tensors
-from quantkit.quantize import run_quantize
+from quantkit.quantize import quantize_loaded, run_quantize
 from quantkit.ui import Reporter
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -28,9 +30,19 @@ def quantize_tiny(src, out, **overrides):
     return run_quantize(str(src), out, recipe, shard, force, Reporter(quiet=True))
 
 
+def reference(src, dtype=torch.bfloat16, **overrides):
+    """The same recipe applied to the model fully loaded in memory: what the checkpoint must dequantize to."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+    quantize_loaded(model, build_recipe([], overrides), torch.bfloat16)
+    return model
+
+
 @pytest.fixture(scope="module")
 def w4(tiny_dir, tmp_path_factory):
-    return quantize_tiny(tiny_dir, tmp_path_factory.mktemp("w4") / "out", bits=4, group_size=32)
+    result = quantize_tiny(tiny_dir, tmp_path_factory.mktemp("w4") / "out", bits=4, group_size=32)
+    return SimpleNamespace(out=result.out, model=reference(tiny_dir, bits=4, group_size=32))
 
 
 def test_tensor_names_shapes_and_dtypes(w4):
@@ -63,6 +75,7 @@ def test_manifest_records_recipe_source_and_timings(w4):
     assert m["recipe"]["group_size"] == 32 and m["recipe"]["dtype"] == "bf16"
     assert len(m["source"]["sha256"]) == 64 and m["source"]["files"] == ["model.safetensors"]
     assert set(m["timings_s"]) == {"load", "quantize", "hash", "save"}
+    assert m["calibration"] is None  # RTN needs none
 
 
 def test_round_trip_equals_fake_quantized_weights_exactly(w4):
@@ -74,11 +87,12 @@ def test_round_trip_equals_fake_quantized_weights_exactly(w4):
 
 @pytest.mark.parametrize("bits, group_size, asym", [(4, 32, True), (8, -1, False), (8, 64, True)])
 def test_compressed_tensors_decompresses_to_our_weights(tiny_dir, tmp_path, bits, group_size, asym):
-    result = quantize_tiny(tiny_dir, tmp_path / "out", bits=bits, group_size=group_size, symmetric=not asym)
+    quantize_tiny(tiny_dir, tmp_path / "out", bits=bits, group_size=group_size, symmetric=not asym)
+    model = reference(tiny_dir, bits=bits, group_size=group_size, symmetric=not asym)
     qc = json.loads((tmp_path / "out/config.json").read_text())["quantization_config"]
     scheme = QuantizationScheme(targets=["Linear"], weights=qc["config_groups"]["group_0"]["weights"])
     tensors = read_tensors(tmp_path / "out")
-    fake = result.model.state_dict()
+    fake = model.state_dict()
     for layer in range(2):
         for lin in LINEARS:
             p = f"model.layers.{layer}.{lin}"
@@ -107,7 +121,7 @@ def test_sharding_writes_index(tiny_dir, tmp_path):
     with torch.no_grad():
         hf(torch.arange(4).unsqueeze(0))  # compressed-tensors decompresses on the first forward
     theirs = hf.state_dict()
-    for name, value in result.model.state_dict().items():  # HF decompresses in bf16: bit-identical
+    for name, value in reference(tiny_dir, bits=8).state_dict().items():  # HF decompresses in bf16: bit-identical
         assert torch.equal(theirs[name], value), name
 
 
@@ -123,7 +137,7 @@ def test_failed_save_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk vanished")
 
-    monkeypatch.setattr(save_mod, "write_shards", boom)
+    monkeypatch.setattr(quantize_mod, "write_layer", boom)
     with pytest.raises(RuntimeError):
         quantize_tiny(tiny_dir, tmp_path / "out", bits=4, group_size=32)
     assert list(tmp_path.iterdir()) == []

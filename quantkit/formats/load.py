@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,36 @@ def load_dequantized_model(path: Path, dtype: torch.dtype = torch.float32) -> to
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+class SafetensorsSource:
+    """Random access to a checkpoint's tensors by name, one at a time, without loading the rest.
+
+    This is what lets quantization walk a model larger than memory: only the tensors asked for are read.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.files: dict[str, Path] = {}
+        self.shapes: dict[str, list[int]] = {}
+        for file in safetensors_files(path):
+            for key, info in read_header(file).items():
+                self.files[key] = file
+                self.shapes[key] = info["shape"]
+
+    def parameters(self, tied: bool) -> int:
+        """Parameter count of the dense checkpoint (a tied lm_head counts once)."""
+        return sum(math.prod(s) for k, s in self.shapes.items() if not (tied and k == "lm_head.weight"))
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def get(self, name: str) -> Tensor:
+        file = self.files.get(name)
+        if file is None:
+            raise QuantkitError(f"tensor {name} is missing from the checkpoint at {self.path}")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise QuantkitError(f"corrupt safetensors file {file}: {str(e).splitlines()[0]}") from e

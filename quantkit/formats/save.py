@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 import compressed_tensors
 import torch
 from safetensors.torch import save_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from quantkit import QuantkitError
 from quantkit.config import Recipe, Scheme
@@ -49,23 +48,45 @@ def weights_args(scheme: Scheme) -> dict[str, Any]:
     }
 
 
-def quantization_config(scheme: Scheme, ignore: list[str]) -> dict[str, Any]:
-    """config.json `quantization_config` for weight-only integer quantization of Linear layers."""
+def kv_cache_args(strategy: str) -> dict[str, Any]:
+    """`kv_cache_scheme`: static symmetric FP8 per tensor, or per KV head ("attn_head")."""
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": "tensor" if strategy == "tensor" else "attn_head",
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+
+
+def quantization_config(
+    scheme: Scheme | None, ignore: list[str], kv_strategy: str | None = None, actorder: str | None = None
+) -> dict[str, Any]:
+    """config.json `quantization_config`: integer weights on Linear layers (scheme None: weights dense)
+    and, with `kv_strategy`, a static FP8 KV cache."""
+    groups = {}
+    if scheme is not None:
+        weights = weights_args(scheme)
+        weights["actorder"] = actorder
+        groups["group_0"] = {
+            "targets": ["Linear"],
+            "weights": weights,
+            "input_activations": None,
+            "output_activations": None,
+            "format": "pack-quantized",
+        }
     return {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": "pack-quantized" if groups else "dense",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights_args(scheme),
-                "input_activations": None,
-                "output_activations": None,
-                "format": "pack-quantized",
-            }
-        },
-        "ignore": ignore,
-        "kv_cache_scheme": None,
+        "config_groups": groups,
+        "ignore": ignore if groups else [],
+        "kv_cache_scheme": kv_cache_args(kv_strategy) if kv_strategy else None,
         "sparsity_config": {},
         "transform_config": {},
         "global_compression_ratio": None,
@@ -86,21 +107,6 @@ def compressed_tensors_of(name: str, qw: QuantizedWeight) -> dict[str, Tensor]:
     return out
 
 
-def checkpoint_tensors(model: nn.Module, qweights: dict[str, QuantizedWeight]) -> dict[str, Tensor]:
-    """The model's state dict with each quantized weight swapped for its packed tensors, in model order."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    tensors: dict[str, Tensor] = {}
-    for key, value in model.state_dict().items():
-        if tied and key == "lm_head.weight":
-            continue  # shares storage with the embedding; consumers re-tie it from config
-        module = key.removesuffix(".weight")
-        if key.endswith(".weight") and module in qweights:
-            tensors.update(compressed_tensors_of(module, qweights[module]))
-        else:
-            tensors[key] = value.contiguous()
-    return tensors
-
-
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '2GiB', or a plain byte count -> bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
@@ -114,38 +120,47 @@ def parse_size(text: str) -> int:
     return size
 
 
-def plan_shards(tensors: dict[str, Tensor], max_bytes: int) -> list[list[str]]:
-    """Group tensor names into shards of at most max_bytes (a single larger tensor gets its own shard)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
+class ShardWriter:
+    """Streams tensors into safetensors shards of at most `max_bytes`, holding at most one shard in memory.
 
+    Shards are written as they fill (`part-N`) and renamed to `model-0000N-of-0000M.safetensors` at
+    `finish`, when M is known; a single shard becomes `model.safetensors`.
+    """
 
-def write_shards(
-    tensors: dict[str, Tensor], out: Path, max_bytes: int, on_shard: Callable[[int, int], None] | None = None
-) -> list[str]:
-    """Write safetensors shards (and the index when there is more than one); returns the file names."""
-    shards = plan_shards(tensors, max_bytes)
-    n = len(shards)
-    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map = {}
-    for i, (fname, keys) in enumerate(zip(names, shards)):
-        save_file({k: tensors[k] for k in keys}, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in keys})
-        if on_shard:
-            on_shard(i + 1, n)
-    if n > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    return names
+    def __init__(self, out: Path, max_bytes: int, on_shard: Callable[[int], None] | None = None):
+        self.out, self.max_bytes, self.on_shard = out, max_bytes, on_shard
+        self.pending: dict[str, Tensor] = {}
+        self.pending_bytes = 0
+        self.parts: list[tuple[Path, list[str], int]] = []
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.detach().to("cpu").contiguous()
+        self.pending_bytes += nbytes
+
+    def _flush(self) -> None:
+        part = self.out / f".part-{len(self.parts):05d}.safetensors"
+        save_file(self.pending, str(part), metadata={"format": "pt"})
+        self.parts.append((part, list(self.pending), self.pending_bytes))
+        self.pending, self.pending_bytes = {}, 0
+        if self.on_shard:
+            self.on_shard(len(self.parts))
+
+    def finish(self) -> list[str]:
+        if self.pending or not self.parts:
+            self._flush()
+        n = len(self.parts)
+        names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map = {}
+        for (part, keys, _), name in zip(self.parts, names):
+            part.rename(self.out / name)
+            weight_map.update({k: name for k in keys})
+        if n > 1:
+            index = {"metadata": {"total_size": sum(b for *_, b in self.parts)}, "weight_map": weight_map}
+            (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return names
 
 
 @contextmanager
@@ -184,29 +199,18 @@ def check_output(out: Path, force: bool) -> None:
         raise QuantkitError(f"{out} exists and is not a directory; refusing to replace it")
 
 
-def save_checkpoint(
-    out: Path,
-    model: nn.Module,
-    tokenizer,
-    qweights: dict[str, QuantizedWeight],
-    quant_config: dict[str, Any],
-    manifest: dict[str, Any],
-    max_shard_bytes: int,
-    force: bool = False,
-    on_shard: Callable[[int, int], None] | None = None,
-) -> list[str]:
-    """Write the whole checkpoint atomically; `manifest` (plus the save time) becomes quantkit.json."""
-    start = time.perf_counter()
-    with atomic_dir(out, force) as tmp:
-        config = copy.deepcopy(model.config)
-        config.quantization_config = quant_config
-        config.save_pretrained(tmp)
-        generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None:
-            generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        names = write_shards(checkpoint_tensors(model, qweights), tmp, max_shard_bytes, on_shard)
-        manifest.setdefault("timings_s", {})["save"] = round(time.perf_counter() - start, 3)
-        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-    return names
+def write_metadata(out: Path, config, generation_config, tokenizer, quant_config: dict[str, Any], dtype: torch.dtype) -> None:
+    """config.json (with `quantization_config` and the checkpoint's dtype), generation config, tokenizer."""
+    config = copy.deepcopy(config)
+    config.quantization_config = quant_config
+    config.use_cache = True
+    config.dtype = dtype
+    config.save_pretrained(out)
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -1,22 +1,14 @@
-"""Quantize a model's decoder-layer Linears in place, one layer at a time.
-
-Each targeted weight is replaced by its fake-quantized value (exactly what a consumer will dequantize
-from the checkpoint), and the integer form is returned for the exporter to pack once.
-"""
+"""Which Linears to quantize, and with what group size: decided once, before any layer is touched."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from quantkit import QuantkitError
 from quantkit.config import DEFAULT_GROUP_4BIT, FALLBACK_GROUPS, Recipe
-from quantkit.quant.qparams import QuantizedWeight
-from quantkit.quant.rtn import rtn
 
 
 @dataclass(slots=True)
@@ -71,26 +63,3 @@ def resolve_group_size(recipe: Recipe, targets: list[Target]) -> str | None:
         f"no group size among {DEFAULT_GROUP_4BIT}, {', '.join(map(str, FALLBACK_GROUPS))} divides the input "
         f"width {bad[0].module.in_features} of {bad[0].name}; pass --group-size -1 for per-channel scales"
     )
-
-
-@torch.no_grad()
-def quantize_model(
-    targets: list[Target],
-    recipe: Recipe,
-    scale_dtype: torch.dtype,
-    on_layer: Callable[[int], None] | None = None,
-) -> dict[str, QuantizedWeight]:
-    """RTN every target, layer by layer; weights become their fake-quantized values in place."""
-    scheme = recipe.scheme()
-    out: dict[str, QuantizedWeight] = {}
-    last_layer = None
-    for t in targets:
-        if on_layer and last_layer is not None and t.layer != last_layer:
-            on_layer(last_layer)
-        last_layer = t.layer
-        qw = rtn(t.module.weight, scheme, scale_dtype)
-        t.module.weight.copy_(qw.dequantize(t.module.weight.dtype))
-        out[t.name] = qw
-    if on_layer and last_layer is not None:
-        on_layer(last_layer)
-    return out

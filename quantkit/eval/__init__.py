@@ -1,0 +1,1 @@
+"""Measuring what quantization cost: perplexity now; KL, retrieval and tool use to come."""
