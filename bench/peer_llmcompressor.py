@@ -19,21 +19,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from datasets import Dataset
-from llmcompressor import oneshot
-from llmcompressor.modifiers.gptq import GPTQModifier
-from llmcompressor.modifiers.quantization import QuantizationModifier
-from transformers import AutoModelForCausalLM, AutoTokenizer
+if TYPE_CHECKING:
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
 
-DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def read_calib(path: Path) -> list[list[int]]:
@@ -54,6 +53,9 @@ def w4a16_group(group_size: int) -> dict[str, Any]:
 
 
 def make_modifier(method: str, group_size: int) -> GPTQModifier | QuantizationModifier:
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
     scheme = w4a16_group(group_size)
     if method == "gptq":
         # block_size and dampening_frac are llm-compressor's defaults, spelled out;
@@ -64,6 +66,8 @@ def make_modifier(method: str, group_size: int) -> GPTQModifier | QuantizationMo
 
 def quantization_settings(out: Path, modifier: GPTQModifier | QuantizationModifier) -> dict[str, Any]:
     """The settings llm-compressor actually applied, read back from the saved checkpoint's config."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     weights = config["config_groups"]["group_0"]["weights"]
     settings = {"format": config["format"], "observer": weights["observer"], "actorder": weights["actorder"]}
@@ -72,43 +76,71 @@ def quantization_settings(out: Path, modifier: GPTQModifier | QuantizationModifi
     return settings
 
 
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Route fd 1 to stderr, so stdout stays clean for the JSON line: llm-compressor's
+    loguru sink holds its own reference to sys.stdout, which redirect_stdout can't move."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def quantize(args: argparse.Namespace, rows: list[list[int]]) -> dict[str, Any]:
+    """Load, quantize with `oneshot` and save; the timings and settings of that run."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    modifier = make_modifier(args.method, args.group_size)
+    calib: dict[str, Any] = {}
+    if rows:
+        dataset = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
+        calib = {
+            "dataset": dataset,
+            "num_calibration_samples": len(rows),
+            "max_seq_length": len(rows[0]),
+            "shuffle_calibration_samples": False,
+        }
+    q_start = time.perf_counter()
+    oneshot(model=model, tokenizer=tokenizer, recipe=modifier, **calib)
+    quantize_s = time.perf_counter() - q_start
+    model.save_pretrained(args.out, save_compressed=True)
+    tokenizer.save_pretrained(args.out)
+    return {
+        "quantize_s": round(quantize_s, 3),
+        "total_s": round(time.perf_counter() - start, 3),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "settings": quantization_settings(args.out, modifier),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="dense Hugging Face checkpoint directory")
     ap.add_argument("--calib", type=Path, help='JSONL of {"input_ids": [...]} rows, all one length (gptq only)')
     ap.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--dtype", choices=tuple(DTYPES), default="auto", help="load dtype (default: the checkpoint's)")
+    ap.add_argument("--dtype", choices=DTYPES, default="auto", help="load dtype (default: the checkpoint's)")
     ap.add_argument("--out", type=Path, required=True, help="where to save the compressed checkpoint")
     ap.add_argument("--json", action="store_true", help="print one JSON result object on stdout")
     args = ap.parse_args(argv)
     if args.method == "gptq" and args.calib is None:
         ap.error("--calib is required for gptq")
 
-    rows = read_calib(args.calib) if args.calib else []
-    report = sys.stderr if args.json else sys.stdout
-    start = time.perf_counter()
-    # Keep stdout clean for the JSON line whatever the libraries print.
-    with contextlib.redirect_stdout(sys.stderr):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype])
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        modifier = make_modifier(args.method, args.group_size)
-        calib: dict[str, Any] = {}
-        if args.method == "gptq":
-            dataset = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
-            calib = {
-                "dataset": dataset,
-                "num_calibration_samples": len(rows),
-                "max_seq_length": len(rows[0]),
-                "shuffle_calibration_samples": False,
-            }
-        q_start = time.perf_counter()
-        oneshot(model=model, tokenizer=tokenizer, recipe=modifier, **calib)
-        quantize_s = time.perf_counter() - q_start
-        model.save_pretrained(args.out, save_compressed=True)
-        tokenizer.save_pretrained(args.out)
-    total_s = time.perf_counter() - start
-
+    rows = read_calib(args.calib) if args.method == "gptq" else []  # rtn is data-free
+    with stdout_to_stderr():  # the libraries log to stdout from import time on
+        run = quantize(args, rows)
     result = {
         "tool": "llm-compressor",
         "version": version("llmcompressor"),
@@ -116,19 +148,21 @@ def main(argv: list[str] | None = None) -> int:
         "group_size": args.group_size,
         "calib_rows": len(rows),
         "calib_seqlen": len(rows[0]) if rows else 0,
-        "quantize_s": round(quantize_s, 3),
-        "total_s": round(total_s, 3),
+        "quantize_s": run["quantize_s"],
+        "total_s": run["total_s"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "out": str(args.out),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "settings": quantization_settings(args.out, modifier),
+        "dtype": run["dtype"],
+        "settings": run["settings"],
     }
     calib_note = f"{len(rows)}x{len(rows[0])} calibration tokens" if rows else "no calibration data"
     print(
-        f"llm-compressor {result['version']}: {args.method} int4 g{args.group_size} on {args.model.name}, {calib_note}\n"
-        f"  quantize {quantize_s:.1f}s, total {total_s:.1f}s, peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB\n"
-        f"  settings {result['settings']}\n  saved to {args.out}",
-        file=report,
+        f"llm-compressor {result['version']}: {args.method} int4 g{args.group_size} on {args.model.name}, "
+        f"{calib_note}\n"
+        f"  quantize {run['quantize_s']:.1f}s, total {run['total_s']:.1f}s, "
+        f"peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB\n"
+        f"  settings {run['settings']}\n  saved to {args.out}",
+        file=sys.stderr if args.json else sys.stdout,
     )
     if args.json:
         print(json.dumps(result))

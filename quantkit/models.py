@@ -211,10 +211,10 @@ def skeleton(path: Path, compute_dtype: torch.dtype, device: str) -> torch.nn.Mo
 
 def load_layer(layer: torch.nn.Module, prefix: str, source, device: str) -> torch.nn.Module:
     """Materialize one decoder layer's weights (read from `source` by name) on `device`."""
-    dtype = next(layer.parameters()).dtype
     layer.to_empty(device=device)
-    state = {k: source.get(f"{prefix}.{k}").to(dtype) for k in layer.state_dict()}
-    layer.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        for key, tensor in layer.state_dict().items():  # one tensor at a time: no second copy of the layer
+            tensor.copy_(source.get(f"{prefix}.{key}"))
     return layer
 
 

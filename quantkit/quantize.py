@@ -7,7 +7,6 @@ This module strings the stages together; each stage lives in its own module.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from torch import nn
 
 import quantkit
 from quantkit import QuantkitError
+from quantkit.memory import peak_rss_bytes, return_freed_memory
 from quantkit.calib.data import CalibConfig, build
 from quantkit.calib.sequential import Batch, LayerResult, first_layer_inputs, quantize_layer
 from quantkit.config import Recipe
@@ -163,6 +163,7 @@ def run_quantize(
     device: str = "auto",
 ) -> QuantizeResult:
     calib = calib or CalibConfig()
+    return_freed_memory()
     timings: dict[str, float] = {}
     notes: list[str] = []
     check_output(out, force)
@@ -242,7 +243,7 @@ def run_quantize(
         out_bytes=sum((out / n).stat().st_size for n in names),
         files=names,
         timings_s=timings,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_rss_bytes=peak_rss_bytes(),
         calibration=calibration,
         notes=notes,
     )

@@ -147,7 +147,7 @@ def test_full_disk_is_one_clear_error(tiny_dir, tmp_path, monkeypatch):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(save_mod, "save_file", full)
+    monkeypatch.setattr(save_mod.ShardWriter, "add", full)
     with pytest.raises(QuantkitError, match="no space left"):
         quantize_tiny(tiny_dir, tmp_path / "out", bits=4, group_size=32)
     assert list(tmp_path.iterdir()) == []

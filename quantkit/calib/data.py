@@ -62,8 +62,11 @@ def builtin_texts(part: str) -> list[str]:
                 blocks.append(current)
                 current = ""
     blocks.append(current)
-    held = part == "eval"
-    return [b for i, b in enumerate(blocks) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held]
+    held = [b for i, b in enumerate(blocks) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    if part == "eval":
+        return held
+    seen = set(held)  # the docs repeat a few passages verbatim: never calibrate on held-out text
+    return [b for i, b in enumerate(blocks) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1 and b not in seen]
 
 
 def load_texts(cfg: CalibConfig, tokenizer=None) -> list[str]:

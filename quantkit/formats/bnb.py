@@ -7,13 +7,13 @@ against what many users reach for first. Loading quantizes the whole model in me
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
 
 import torch
 
 from quantkit import QuantkitError
+from quantkit.memory import peak_rss_bytes
 from quantkit.formats.save import MANIFEST_NAME, atomic_dir
 
 
@@ -64,4 +64,4 @@ def run_bnb(resolved, out: Path, recipe, force: bool, ui):
     quantized = sum(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
     return QuantizeResult(out=out, recipe=recipe, quantized_modules=quantized, dense_bytes=params * 2,
                           out_bytes=sum((out / f).stat().st_size for f in files), files=files, timings_s=timings,
-                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                          peak_rss_bytes=peak_rss_bytes())

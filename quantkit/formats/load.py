@@ -125,20 +125,33 @@ def load_dequantized_model(path: Path, dtype: torch.dtype = torch.float32) -> to
     return model.eval()
 
 
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
 class SafetensorsSource:
     """Random access to a checkpoint's tensors by name, one at a time, without loading the rest.
 
-    This is what lets quantization walk a model larger than memory: only the tensors asked for are read.
+    This is what lets quantization walk a model larger than memory: only the tensors asked for are read,
+    with plain reads rather than a memory map, so bytes already used do not stay resident.
     """
 
     def __init__(self, path: Path):
         self.path = path
         self.files: dict[str, Path] = {}
         self.shapes: dict[str, list[int]] = {}
+        self.entries: dict[str, tuple[str, int, int]] = {}  # name -> dtype, absolute start, end
         for file in safetensors_files(path):
+            with open(file, "rb") as f:
+                base = 8 + int.from_bytes(f.read(8), "little")
             for key, info in read_header(file).items():
                 self.files[key] = file
                 self.shapes[key] = info["shape"]
+                start, end = info["data_offsets"]
+                self.entries[key] = (info["dtype"], base + start, base + end)
 
     def parameters(self, tied: bool) -> int:
         """Parameter count of the dense checkpoint (a tied lm_head counts once)."""
@@ -151,8 +164,20 @@ class SafetensorsSource:
         file = self.files.get(name)
         if file is None:
             raise QuantkitError(f"tensor {name} is missing from the checkpoint at {self.path}")
+        dtype, start, end = self.entries[name]
+        shape = self.shapes[name]
+        if dtype not in ST_DTYPES:
+            raise QuantkitError(f"tensor {name} in {file} has dtype {dtype}, which quantkit does not read")
+        want = math.prod(shape) * torch.empty(0, dtype=ST_DTYPES[dtype]).element_size()
+        buf = bytearray(end - start)
         try:
-            with safe_open(str(file), framework="pt") as f:
-                return f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise QuantkitError(f"corrupt safetensors file {file}: {str(e).splitlines()[0]}") from e
+            with open(file, "rb") as f:
+                f.seek(start)
+                n = f.readinto(buf)
+        except OSError as e:
+            raise QuantkitError(f"cannot read {file}: {e}") from e
+        if n != len(buf) or len(buf) != want:
+            raise QuantkitError(f"corrupt safetensors file {file}: tensor {name} is truncated or mis-sized")
+        if not buf:
+            return torch.empty(shape, dtype=ST_DTYPES[dtype])
+        return torch.frombuffer(buf, dtype=ST_DTYPES[dtype]).reshape(shape)

@@ -19,7 +19,6 @@ from typing import Any
 
 import compressed_tensors
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from quantkit import QuantkitError
@@ -120,37 +119,59 @@ def parse_size(text: str) -> int:
     return size
 
 
-class ShardWriter:
-    """Streams tensors into safetensors shards of at most `max_bytes`, holding at most one shard in memory.
+ST_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
 
-    Shards are written as they fill (`part-N`) and renamed to `model-0000N-of-0000M.safetensors` at
-    `finish`, when M is known; a single shard becomes `model.safetensors`.
+
+class ShardWriter:
+    """Streams tensors into safetensors shards of at most `max_bytes`, holding none of them in memory.
+
+    Tensor bytes go straight to a data file as they arrive; when a shard fills, its header is written
+    and the data appended after it. Shards are renamed to `model-0000N-of-0000M.safetensors` at `finish`,
+    when M is known; a single shard becomes `model.safetensors`.
     """
 
-    def __init__(self, out: Path, max_bytes: int, on_shard: Callable[[int], None] | None = None):
-        self.out, self.max_bytes, self.on_shard = out, max_bytes, on_shard
-        self.pending: dict[str, Tensor] = {}
-        self.pending_bytes = 0
+    def __init__(self, out: Path, max_bytes: int):
+        self.out, self.max_bytes = out, max_bytes
+        self.header: dict[str, Any] = {}
+        self.data = None  # open file of the current shard's tensor bytes
+        self.size = 0
         self.parts: list[tuple[Path, list[str], int]] = []
 
     def add(self, name: str, tensor: Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor.detach().to("cpu").contiguous()
-        self.pending_bytes += nbytes
+        t = tensor.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self.header and self.size + nbytes > self.max_bytes:
+            self._close()
+        if self.data is None:
+            self.data = open(self.out / f".part-{len(self.parts):05d}.data", "wb")
+        if nbytes:
+            self.data.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [self.size, self.size + nbytes]}
+        self.size += nbytes
 
-    def _flush(self) -> None:
+    def _close(self) -> None:
+        if self.data is None:
+            self.data = open(self.out / f".part-{len(self.parts):05d}.data", "wb")
+        data_path = Path(self.data.name)
+        self.data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # tensor data starts 8-byte aligned
         part = self.out / f".part-{len(self.parts):05d}.safetensors"
-        save_file(self.pending, str(part), metadata={"format": "pt"})
-        self.parts.append((part, list(self.pending), self.pending_bytes))
-        self.pending, self.pending_bytes = {}, 0
-        if self.on_shard:
-            self.on_shard(len(self.parts))
+        with open(part, "wb") as f, open(data_path, "rb") as data:
+            f.write(len(header).to_bytes(8, "little"))
+            f.write(header)
+            shutil.copyfileobj(data, f, 1 << 22)
+        data_path.unlink()
+        self.parts.append((part, list(self.header), self.size))
+        self.header, self.data, self.size = {}, None, 0
 
     def finish(self) -> list[str]:
-        if self.pending or not self.parts:
-            self._flush()
+        if self.header or not self.parts:
+            self._close()
         n = len(self.parts)
         names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
