@@ -191,8 +191,12 @@ def build_recipe(recipe_specs: list[str], overrides: dict[str, Any], extra_ignor
     Ignore patterns add up instead: the recipes', then `extra_ignore` (--ignore); lm_head is always kept dense.
     """
     fields: dict[str, Any] = {}
+    names = []
     for spec in recipe_specs:
         fields.update(read_recipe_file(spec))
+        names.append(fields["name"])
+    if names:
+        fields["name"] = "+".join(names)
     for k, v in overrides.items():
         if v is not None:
             fields[k] = validate_field(k, v, "option")

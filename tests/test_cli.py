@@ -126,3 +126,52 @@ def test_console_entry_points():
     bad = subprocess.run([sys.executable, "-m", "quantkit", "quantize", "x", "-o", "y", "--bits", "3"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --bits must be 4 or 8, got 3"
+
+
+def test_cuda_requested_without_one(tiny_dir, tmp_path, capsys):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    code, _, err = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "o"), "--device", "cuda")
+    assert_one_line_error(code, err, "no CUDA device is available")
+
+
+@pytest.mark.parametrize("args, message", [(["--kv-cache", "int4"], "--kv-cache must be fp8 or none"),
+                                           (["--kv-strategy", "token"], "--kv-strategy must be one of tensor, head"),
+                                           (["--method", "magic"], "--method must be one of")])
+def test_bad_calibrated_options(tiny_dir, tmp_path, capsys, args, message):
+    code, _, err = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "o"), *args)
+    assert_one_line_error(code, err, message)
+
+
+def test_gptq_with_kv_cache_from_the_cli(tiny_dir, tmp_path, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{i * 13 % 250}" for i in range(3000)))
+    code, stdout, _ = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "g"), "--recipe", "w4a16_gptq_g128",
+                          "--recipe", "fp8_kv", "--calib", str(calib), "--calib-samples", "8", "--calib-seqlen", "64",
+                          "--json")
+    summary = json.loads(stdout)
+    assert code == 0 and summary["recipe"]["method"] == "gptq" and summary["recipe"]["kv_cache"] == "fp8"
+    assert summary["calibration"].startswith(f"{calib}: 8 x 64 tokens")
+    assert any("small calibration set" in n for n in summary["notes"])
+    code, stdout, _ = run(capsys, "inspect", str(tmp_path / "g"), "--json")
+    assert json.loads(stdout)["kv_cache_scheme"]["type"] == "float"
+
+
+def test_bitsandbytes_baseline(tiny_dir, tmp_path, capsys):
+    """Writes an HF bitsandbytes checkpoint where bitsandbytes runs; otherwise one clear line."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:
+        code, _, err = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "b"), "--method", "bnb-nf4")
+        assert_one_line_error(code, err, "needs bitsandbytes")
+        return
+    code, stdout, _ = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "b"), "--method", "bnb-nf4", "--json")
+    assert code == 0 and json.loads(stdout)["quantized_modules"] == 14
+    config = json.loads((tmp_path / "b/config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "bitsandbytes"
+    from transformers import AutoModelForCausalLM
+    import torch
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "b", device_map="cpu")
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.arange(8).unsqueeze(0)).logits).all()

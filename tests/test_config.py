@@ -8,7 +8,7 @@ from quantkit.config import build_recipe, bundled_recipe_names, read_recipe_file
 
 def test_bundled_recipes_are_valid():
     names = bundled_recipe_names()
-    assert {"w4a16_rtn_g128", "w8a16_rtn"} <= set(names)
+    assert {"w4a16_rtn_g128", "w8a16_rtn", "w4a16_gptq_g128", "w4a16_awq_g128", "w8a16_gptq", "fp8_kv"} <= set(names)
     for name in names:
         assert read_recipe_file(name)["name"] == name
 
@@ -56,3 +56,11 @@ def test_bad_flag_names_the_flag():
 def test_missing_recipe_lists_bundled_names():
     with pytest.raises(QuantkitError, match="w4a16_rtn_g128"):
         build_recipe(["nope"], {})
+
+
+def test_recipes_compose_weights_and_kv_cache():
+    r = build_recipe(["w4a16_gptq_g128", "fp8_kv"], {})
+    assert (r.method, r.bits, r.group_size, r.actorder, r.kv_cache, r.kv_strategy) == ("gptq", 4, 128, "static", "fp8", "tensor")
+    assert r.needs_calibration and r.name == "w4a16_gptq_g128+fp8_kv"
+    kv_only = build_recipe(["fp8_kv"], {"method": "none"})
+    assert kv_only.scheme() is None and kv_only.needs_calibration
