@@ -93,6 +93,12 @@ def pick_device(device: str) -> str:
     return device
 
 
+def compute_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
+    """Layers run in the checkpoint's dtype where that is fast (bf16 on CPUs, any 16-bit type on CUDA);
+    fp16 on a CPU runs in float32, as CPUs have no fast fp16 GEMM. Hessians always accumulate in float32."""
+    return dtype if device == "cuda" or dtype == torch.bfloat16 else torch.float32
+
+
 def dense_ignore(model: nn.Module, patterns: list[str], quantized: set[str]) -> list[str]:
     """The config's `ignore`: our patterns plus every other Linear left dense (targets say "Linear")."""
     extra = [
@@ -180,7 +186,7 @@ def run_quantize(
 
         return run_bnb(resolved, out, recipe, force, ui)
     with ui.step(f"reading {spec}"):
-        model = skeleton(resolved.path, torch.float32, device)
+        model = skeleton(resolved.path, compute_dtype(dtype, device), device)
         source = SafetensorsSource(resolved.path)
         tokenizer = load_tokenizer(resolved.path)
     if tokenizer is None:
