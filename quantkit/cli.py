@@ -143,6 +143,74 @@ def inspect(
     stdout.print(mods)
 
 
+@app.command(
+    "eval",
+    epilog="Example: quantkit eval smollm2-w4 --tasks ppl,kl,retrieval --lengths 1k,2k --limit 5",
+)
+def eval_(
+    checkpoint: str = typer.Argument(..., help="The quantized model (any MODEL quantkit resolves)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="Reference model.  [default: the source in quantkit.json]"),
+    tasks: str = typer.Option("ppl,kl,retrieval,tool-use", "--tasks", help="Comma-separated: ppl, kl, retrieval, tool-use."),
+    lengths: str = typer.Option("1k,2k", "--lengths", help="Retrieval context lengths in tokens (1k = 1024)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Items per task and length (rows for ppl/kl)."),
+    margin: float = typer.Option(2.0, "--margin", help="Equivalence margin in accuracy points."),
+    bfcl: str = typer.Option("", "--bfcl", help="Also run bfcl-eval's data: e.g. simple,multiple,parallel,irrelevance."),
+    tool_file: Optional[Path] = typer.Option(None, "--tool-file", help="A BFCL-format JSONL file instead of the bundled set."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the generated retrieval items."),
+    backend: str = typer.Option("hf", "--backend", help="hf (HF transformers). runtime and endpoint arrive with issues 5-6."),
+    out: Path = typer.Option(Path("eval-results"), "--out", help="Folder for results.json, report.md and plots."),
+    as_json: bool = JSON,
+    quiet: bool = QUIET,
+    debug: bool = DEBUG,
+) -> None:
+    """Compare a quantized model with its baseline: perplexity, KL, long-context retrieval and tool use."""
+    from quantkit import QuantkitError
+    from quantkit.eval.report import ci_text, fmt, write
+    from quantkit.eval.runner import TASKS, EvalConfig, baseline_of, run_eval
+    from quantkit.models import resolve
+
+    chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    if bad := [t for t in chosen if t not in TASKS]:
+        raise QuantkitError(f"--tasks: unknown task {bad[0]!r} (known: {', '.join(TASKS)})")
+    if backend != "hf":
+        raise QuantkitError(f"--backend {backend}: only 'hf' exists yet (the runtime and endpoint backends come later)")
+    cfg = EvalConfig(tasks=chosen, lengths=_lengths(lengths), limit=limit, margin=margin / 100, seed=seed,
+                     bfcl=tuple(c for c in bfcl.split(",") if c), tool_file=tool_file)
+    ui = Reporter(quiet or as_json)
+    ckpt = resolve(checkpoint)
+    base = resolve(baseline or baseline_of(ckpt.path))
+    report = run_eval(ckpt, base, cfg, ui)
+    files = write(report, out)
+    if as_json:
+        print(json.dumps({"summary": report.summary, "details": {k: v for k, v in report.details.items() if k != "kl_histogram"},
+                          "timings_s": report.timings_s, "out": str(out), "files": files}, indent=2))
+        return
+    if quiet:
+        return
+    table = Table("task", "baseline", "quantized", "diff", "90% CI", "verdict", "n", "note",
+                  title=f"{checkpoint} vs {base.spec}", title_justify="left")
+    colors = {"equivalent": "green", "degraded": "red", "improved": "green"}
+    for r in report.summary:
+        color = colors.get(r["verdict"], "yellow")
+        table.add_row(r["task"], fmt(r, "baseline"), fmt(r, "quantized"), fmt(r, "diff"), ci_text(r),
+                      f"[{color}]{r['verdict']}[/]", str(r["n"]), r["note"])
+    stdout.print(table)
+    stdout.print(f"wrote {', '.join(files)} to {out}")
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    from quantkit import QuantkitError
+
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        try:
+            out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+        except ValueError:
+            raise QuantkitError(f"--lengths: {part!r} is not a length like 1k, 2k or 4096") from None
+    return tuple(out)
+
+
 @app.callback(invoke_without_command=True)
 def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
     if version:

@@ -59,7 +59,7 @@ class Recipe:
     dtype: str | None = None
     kv_cache: str | None = None  # "fp8": static FP8 KV-cache scales from calibration
     kv_strategy: str = "tensor"  # "tensor" | "head"
-    actorder: str | None = None  # GPTQ column order: None or "static"
+    actorder: str | None = "static"  # GPTQ column order: "static" (by Hessian diagonal) or None
     damp: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added before inverting
     block_size: int = 128  # GPTQ: columns updated together
 

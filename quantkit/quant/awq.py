@@ -80,14 +80,14 @@ def search_scale(x: Tensor, weights: list[Tensor], scheme: Scheme, scale_dtype: 
 def search_clip(w: Tensor, x: Tensor, scheme: Scheme, scale_dtype: torch.dtype, steps: int = 10, max_shrink: float = 0.5) -> Tensor:
     """Per-group range shrink ratio [out, groups] in (max_shrink, 1] minimising that group's output error."""
     wg = grouped(w.float(), scheme.group_size)  # [out, G, g]
-    xg = x.float().reshape(x.shape[0], wg.shape[1], wg.shape[2])  # [n, G, g]
-    reference = torch.einsum("ngk,ogk->nog", xg, wg)
+    xg = x.float().reshape(x.shape[0], wg.shape[1], wg.shape[2]).transpose(0, 1)  # [G, n, g]
+    reference = torch.bmm(xg, wg.permute(1, 2, 0))  # [G, n, out]: each group's share of the output
     best_err = torch.full(wg.shape[:2], float("inf"), device=w.device)
     best_ratio = torch.ones(wg.shape[:2], device=w.device)
     for i in range(steps):
         ratio = 1 - i * (1 - max_shrink) / steps
         wq = rtn_clipped(w, torch.full(wg.shape[:2], ratio, device=w.device), scheme, scale_dtype).dequantize(torch.float32)
-        err = (torch.einsum("ngk,ogk->nog", xg, grouped(wq, scheme.group_size)) - reference).pow(2).mean(dim=0)
+        err = (torch.bmm(xg, grouped(wq, scheme.group_size).permute(1, 2, 0)) - reference).pow(2).mean(dim=1).t()
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)

@@ -1,0 +1,200 @@
+"""`quantkit eval`: the quantized model against its baseline, task by task, with paired verdicts.
+
+Tasks: `ppl` and `kl` (one pass over held-out text gives both), `retrieval` (generated long-context
+items), `tool-use` (BFCL-schema items). Every item's raw output, parsed answer and correctness is kept
+for both models, so any number in the report can be traced to the items behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit import QuantkitError
+from quantkit.calib.data import builtin_texts, eval_rows
+from quantkit.eval import retrieval, tool_use
+from quantkit.eval.kl import distribution
+from quantkit.eval.stats import DEGRADED, EQUIVALENT, compare
+from quantkit.ui import Reporter
+
+TASKS = ("ppl", "kl", "retrieval", "tool-use")
+RETRIEVAL_TASKS = ("passkey", "niah_number", "niah_word", "niah_uuid", "niah_multikey", "niah_multivalue",
+                   "niah_multiquery", "variable_tracking", "json_kv")
+# Distribution verdict thresholds (nats per token, and perplexity ratio).
+KL_EQUIVALENT, KL_DEGRADED = 0.02, 0.10
+PPL_EQUIVALENT, PPL_DEGRADED = 1.02, 1.10
+TOOL_FLOOR = 0.2  # a baseline scoring under this cannot tell the models apart on tool use
+
+
+@dataclass(slots=True)
+class EvalConfig:
+    tasks: tuple[str, ...] = TASKS
+    lengths: tuple[int, ...] = (1024, 2048)
+    limit: int | None = None  # items per task and length (retrieval), rows (ppl/kl), items (tool use)
+    margin: float = 0.02
+    seed: int = 0
+    seqlen: int = 512  # held-out rows for ppl/kl
+    bfcl: tuple[str, ...] = ()
+    tool_file: Path | None = None
+    retrieval_tasks: tuple[str, ...] = RETRIEVAL_TASKS
+
+
+@dataclass(slots=True)
+class EvalReport:
+    checkpoint: str
+    baseline: str
+    config: dict
+    summary: list[dict] = field(default_factory=list)  # one row per task: accuracies, diff, CI, verdict
+    details: dict[str, Any] = field(default_factory=dict)
+    items: list[dict] = field(default_factory=list)
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"checkpoint": self.checkpoint, "baseline": self.baseline, "config": self.config, "summary": self.summary,
+                "details": self.details, "timings_s": self.timings_s, "items": self.items}
+
+
+def baseline_of(ckpt: Path) -> str:
+    manifest = ckpt / "quantkit.json"
+    if not manifest.exists():
+        raise QuantkitError(f"{ckpt} has no quantkit.json recording its source model: pass --baseline MODEL")
+    return json.loads(manifest.read_text())["source"]["model"]
+
+
+def distribution_verdict(kl_mean: float, ppl_ratio: float) -> str:
+    if kl_mean <= KL_EQUIVALENT and ppl_ratio <= PPL_EQUIVALENT:
+        return EQUIVALENT
+    if kl_mean > KL_DEGRADED or ppl_ratio > PPL_DEGRADED:
+        return DEGRADED
+    return "small loss"
+
+
+def run_distribution(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter) -> None:
+    rows = eval_rows(base.tokenizer, cfg.seqlen, cfg.limit or 16)
+    with ui.bar("ppl + KL (held-out rows)", rows.shape[0]) as advance:
+        d = distribution(base, quant, rows, on_row=advance)
+    verdict = distribution_verdict(d.kl_mean, d.ppl_ratio)
+    report.details["distribution"] = d.to_dict()
+    report.details["kl_histogram"] = torch.histc(d.kl_per_token.clamp(max=2.0), bins=40, min=0, max=2.0).tolist()
+    report.summary.append({"task": "ppl", "baseline": d.ppl_baseline, "quantized": d.ppl_quantized,
+                           "diff": d.ppl_ratio - 1, "ci": None, "verdict": verdict, "n": int(rows.shape[0]),
+                           "note": f"ratio {d.ppl_ratio:.4f}"})
+    report.summary.append({"task": "kl", "baseline": 0.0, "quantized": d.kl_mean, "diff": d.kl_mean, "ci": None,
+                           "verdict": verdict, "n": d.tokens,
+                           "note": f"median {d.kl_median:.4f}, p99 {d.kl_p99:.4f}, top-1 agreement {d.top1_agreement:.1%}"})
+
+
+def _run_pair(base, quant, prompts: list[str], max_new: int, label: str, ui: Reporter) -> tuple[list[str], list[str]]:
+    outs = []
+    for model in (base, quant):
+        with ui.bar(f"{label}: {model.name}", len(prompts)) as advance:
+            outs.append(model.generate(prompts, max_new, on_item=advance))
+    return outs[0], outs[1]
+
+
+def run_retrieval(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter) -> None:
+    lengths = [n for n in cfg.lengths if n + 64 <= min(base.context_length, quant.context_length)]
+    if not lengths:
+        raise QuantkitError(f"no requested length fits the model's context of {base.context_length} tokens")
+    filler = retrieval.Filler(builtin_texts("eval"))
+    items = retrieval.generate(list(cfg.retrieval_tasks), lengths, cfg.limit or 5, cfg.seed, base.count, filler)
+    prompts = [base.chat_prompt([{"role": "user", "content": it.prompt}]) for it in items]
+    out_b, out_q = _run_pair(base, quant, prompts, 48, "retrieval", ui)
+    sb = torch.tensor([retrieval.score(o, it.answers) for o, it in zip(out_b, items)])
+    sq = torch.tensor([retrieval.score(o, it.answers) for o, it in zip(out_q, items)])
+    cb, cq = (sb == 1).float(), (sq == 1).float()
+    paired = compare(cb, cq, cfg.margin)
+    by_length = {n: {"baseline": cb[[i for i, it in enumerate(items) if it.length == n]].mean().item(),
+                     "quantized": cq[[i for i, it in enumerate(items) if it.length == n]].mean().item()} for n in lengths}
+    by_task = {t: {"baseline": cb[[i for i, it in enumerate(items) if it.task == t]].mean().item(),
+                   "quantized": cq[[i for i, it in enumerate(items) if it.task == t]].mean().item()} for t in cfg.retrieval_tasks}
+    report.details["retrieval"] = {"paired": paired.to_dict(), "by_length": by_length, "by_task": by_task}
+    report.summary.append(_row("retrieval", paired))
+    for it, ob, oq, b, q in zip(items, out_b, out_q, cb, cq):
+        report.items.append({"task": "retrieval", "id": it.id, "subtask": it.task, "length": it.length, "tokens": it.tokens,
+                             "depth": it.depth, "answers": it.answers, "baseline": {"output": ob, "correct": bool(b)},
+                             "quantized": {"output": oq, "correct": bool(q)}})
+
+
+def tool_items(cfg: EvalConfig) -> list[tool_use.ToolItem]:
+    items = tool_use.load_items(cfg.tool_file or tool_use.bundled_path())
+    for category in cfg.bfcl:
+        items += bfcl_items(category)
+    return items[: cfg.limit] if cfg.limit else items
+
+
+def bfcl_items(category: str) -> list[tool_use.ToolItem]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("bfcl_eval")
+    if spec is None:
+        raise QuantkitError("--bfcl needs the bfcl-eval package: pip install --no-deps bfcl-eval")
+    root = Path(spec.origin).parent / "data"
+    name = "simple_python" if category == "simple" else category
+    path = root / f"BFCL_v4_{name}.json"
+    if not path.exists():
+        raise QuantkitError(f"no BFCL category {category!r} in {root}")
+    return tool_use.load_items(path, category, root / "possible_answer" / path.name)
+
+
+def run_tool_use(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter) -> None:
+    items = tool_items(cfg)
+    prompts = []
+    for it in items:
+        messages, tools = tool_use.messages_for(it, base.supports_tools)
+        prompts.append(base.chat_prompt(messages, tools))
+    out_b, out_q = _run_pair(base, quant, prompts, 160, "tool use", ui)
+    scored = {"baseline": [], "quantized": []}
+    for it, ob, oq in zip(items, out_b, out_q):
+        row = {"task": "tool-use", "id": it.id, "category": it.category}
+        for who, out in (("baseline", ob), ("quantized", oq)):
+            s, calls = tool_use.score_item(it, out)
+            scored[who].append(s)
+            row[who] = {"output": out, "calls": calls, "correct": s.correct, "error": s.error}
+        report.items.append(row)
+    cb = torch.tensor([float(s.correct) for s in scored["baseline"]])
+    cq = torch.tensor([float(s.correct) for s in scored["quantized"]])
+    paired = compare(cb, cq, cfg.margin, floor=TOOL_FLOOR)
+    sub = {}
+    for who, ss in scored.items():
+        relevant = [s for s, it in zip(ss, items) if it.category != "irrelevance"]
+        abstain = [s for s, it in zip(ss, items) if it.category == "irrelevance"]
+        sub[who] = {"parse_rate": sum(s.parsed for s in ss) / len(ss),
+                    "function_choice": sum(s.right_functions for s in relevant) / max(len(relevant), 1),
+                    "arguments": sum(s.correct for s in relevant) / max(len(relevant), 1),
+                    "abstention": sum(s.correct for s in abstain) / max(len(abstain), 1)}
+    report.details["tool_use"] = {"paired": paired.to_dict(), "sub_scores": sub, "native_tools": base.supports_tools}
+    report.summary.append(_row("tool-use", paired))
+
+
+def _row(task: str, p) -> dict:
+    return {"task": task, "baseline": p.baseline, "quantized": p.quantized, "diff": p.diff, "ci": [p.ci_low, p.ci_high],
+            "verdict": p.verdict, "n": p.n, "note": p.note or f"McNemar p={p.p_mcnemar:.3g}, lost {p.flips_lost}, gained {p.flips_gained}"}
+
+
+def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
+    """ckpt/baseline: resolved models (objects with .path and .spec)."""
+    from quantkit.eval.backends import HFBackend
+
+    report = EvalReport(str(ckpt.spec), str(baseline.spec), {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+                                                             for k, v in _fields(cfg).items()})
+    with ui.step("loading both models"):
+        base = HFBackend(baseline.path, "baseline")
+        quant = HFBackend(ckpt.path, "quantized")
+    steps = [("distribution", ("ppl" in cfg.tasks or "kl" in cfg.tasks), run_distribution),
+             ("retrieval", "retrieval" in cfg.tasks, run_retrieval), ("tool-use", "tool-use" in cfg.tasks, run_tool_use)]
+    for name, wanted, fn in steps:
+        if wanted:
+            start = time.perf_counter()
+            fn(base, quant, cfg, report, ui)
+            report.timings_s[name] = round(time.perf_counter() - start, 2)
+    return report
+
+
+def _fields(cfg: EvalConfig) -> dict:
+    return {f: getattr(cfg, f) for f in cfg.__slots__}
