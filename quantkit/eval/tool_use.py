@@ -90,9 +90,10 @@ def parse_calls(text: str) -> list[dict] | None:
             calls += parsed
         return calls
     stripped = text.strip().strip("`").removeprefix("json").strip()
-    if stripped.startswith(("{", "[")):
+    python_like = re.match(r"^\[?\s*[A-Za-z_][\w.]*\(.*\)\s*\]?$", stripped, re.DOTALL)
+    if stripped.startswith(("{", "[")) and not python_like:
         return _json_calls(stripped)
-    if re.match(r"^\[?\s*[A-Za-z_][\w.]*\(.*\)\s*\]?$", stripped, re.DOTALL):
+    if python_like:
         return _python_calls(stripped)
     return []
 
