@@ -67,3 +67,14 @@ def smollm2_dir() -> Path:
         if os.environ.get("QUANTKIT_REQUIRE_SMOLLM2"):
             raise
         pytest.skip(str(e))
+
+
+def run_cli(capsys, *args):
+    """Run `quantkit ARGS` in-process: (exit code, stdout, stderr)."""
+    from quantkit.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return exc.value.code or 0, out, err

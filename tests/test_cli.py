@@ -6,15 +6,10 @@ import sys
 
 import pytest
 
-from quantkit.cli import main
+from tests.conftest import run_cli
 
 
-def run(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exc.value.code or 0, out, err
+run = run_cli
 
 
 def assert_one_line_error(code, err, pattern):

@@ -6,16 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.cli import main
+from tests.conftest import run_cli
 from quantkit.eval.tool_use import parse_calls
 
 
-def run(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-        raise SystemExit(0)
-    out, err = capsys.readouterr()
-    return exc.value.code or 0, out, err
+run = run_cli
 
 
 @pytest.mark.parametrize("text, calls", [

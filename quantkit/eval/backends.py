@@ -13,15 +13,18 @@ from torch import Tensor
 
 
 class HFBackend:
-    """HF transformers on CPU (or CUDA), greedy decoding, batches sorted by length with left padding."""
+    """HF transformers on CPU (or CUDA), greedy decoding, batches sorted by length with left padding.
 
-    def __init__(self, path: Path, name: str, dtype: torch.dtype = torch.float32, batch_size: int = 8):
+    bf16 by default: the dtype these checkpoints are served in, and ~2.5x faster than fp32 on CPUs with
+    AVX512-BF16. Logits are compared in float32."""
+
+    def __init__(self, path: Path, name: str, dtype: torch.dtype = torch.bfloat16, batch_size: int = 8):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from quantkit.models import _quiet_transformers
+        from quantkit.models import _no_tqdm, _quiet_transformers
 
         self.name, self.path, self.batch_size = name, path, batch_size
-        with _quiet_transformers():
+        with _quiet_transformers(), _no_tqdm():  # compressed-tensors draws its own bars while loading
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         self.tokenizer.padding_side = "left"
@@ -60,7 +63,7 @@ class HFBackend:
             idx = order[start : start + self.batch_size]
             enc = self.tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
             gen = self.model.generate(**enc.to(self.device), max_new_tokens=max_new_tokens, do_sample=False,
-                                      pad_token_id=self.tokenizer.pad_token_id)
+                                      pad_token_id=self.tokenizer.pad_token_id, max_length=None)
             for j, i in enumerate(idx):
                 out[i] = self.tokenizer.decode(gen[j, enc["input_ids"].shape[1]:], skip_special_tokens=True)
                 if on_item:

@@ -102,7 +102,7 @@ def run_retrieval(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter
     if not lengths:
         raise QuantkitError(f"no requested length fits the model's context of {base.context_length} tokens")
     filler = retrieval.Filler(builtin_texts("eval"))
-    items = retrieval.generate(list(cfg.retrieval_tasks), lengths, cfg.limit or 5, cfg.seed, base.count, filler)
+    items = retrieval.generate(list(cfg.retrieval_tasks), lengths, cfg.limit or 3, cfg.seed, base.count, filler)
     prompts = [base.chat_prompt([{"role": "user", "content": it.prompt}]) for it in items]
     out_b, out_q = _run_pair(base, quant, prompts, 48, "retrieval", ui)
     sb = torch.tensor([retrieval.score(o, it.answers) for o, it in zip(out_b, items)])
