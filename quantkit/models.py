@@ -169,22 +169,6 @@ def source_dtype(config: dict) -> str:
     return "fp16" if dtype == "float16" else "bf16"
 
 
-def load_model(resolved: ResolvedModel, dtype: torch.dtype) -> torch.nn.Module:
-    """Load the HF causal LM on CPU in `dtype`; a corrupt or unreadable weight file is one clear error."""
-    from transformers import AutoModelForCausalLM
-
-    config = read_config(resolved.path)
-    check_supported(config, resolved.path)
-    with _quiet_transformers():
-        try:
-            model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=dtype)
-        except QuantkitError:
-            raise
-        except Exception as e:
-            raise QuantkitError(f"cannot load model from {resolved.path}: {_one_line(e)}") from e
-    return model.eval()
-
-
 def skeleton(path: Path, compute_dtype: torch.dtype, device: str) -> torch.nn.Module:
     """The model with every weight on the meta device (no memory), except the embedding and the rotary
     tables, which the walk needs to compute the first layer's inputs. Layers are filled in one at a time

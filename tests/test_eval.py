@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import run_cli

@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from quantkit import QuantkitError
-from quantkit.config import Recipe, Scheme
+from quantkit.config import Scheme
 from quantkit.formats.pack import pack_int32
 from quantkit.quant.qparams import QuantizedWeight
 
