@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from quantkit.config import Recipe, Scheme
+from quantkit.memory import reuse_freed_memory
 from quantkit.quant import awq
 from quantkit.quant.apply import Target
 from quantkit.quant.gptq import GPTQConfig, gptq
@@ -299,12 +300,14 @@ def quantize_layer(layer: nn.Module, prefix: str, targets: list[Target], batches
     kv_strategy = recipe.kv_strategy if recipe.kv_cache else None
     local = {t.name.removeprefix(prefix + "."): t.module for t in targets}
     if scheme is not None and recipe.method == "gptq":
-        qweights, batches, kv = gptq_sequential(layer, local, batches, recipe, scheme, scale_dtype, kv_strategy)
+        with reuse_freed_memory():
+            qweights, batches, kv = gptq_sequential(layer, local, batches, recipe, scheme, scale_dtype, kv_strategy)
         return LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()}, kv), batches
     if scheme is None:
         qweights = {}
     elif recipe.method == "awq":
-        qweights = quantize_awq(layer, local, batches, scheme, scale_dtype)
+        with reuse_freed_memory():
+            qweights = quantize_awq(layer, local, batches, scheme, scale_dtype)
     else:
         qweights = {n: rtn(m.weight, scheme, scale_dtype) for n, m in local.items()}
     for name, qw in qweights.items():
@@ -312,5 +315,6 @@ def quantize_layer(layer: nn.Module, prefix: str, targets: list[Target], batches
     result = LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()})
     if batches is None:
         return result, None
-    batches, result.kv_absmax = propagate(layer, batches, kv_strategy)
+    with reuse_freed_memory():
+        batches, result.kv_absmax = propagate(layer, batches, kv_strategy)
     return result, batches
