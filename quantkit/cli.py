@@ -143,21 +143,32 @@ def inspect(
     stdout.print(mods)
 
 
+TASKS_DEFAULT = "ppl,kl,retrieval,tool-use"
+
+
 @app.command(
     "eval",
-    epilog="Example: quantkit eval smollm2-w4 --tasks ppl,kl,retrieval --lengths 1k,2k --limit 5",
+    epilog="Examples: quantkit eval smollm2-w4 --tasks ppl,kl,retrieval --lengths 1k,2k --limit 5  ·  "
+           "quantkit eval smollm2-w4 --endpoint http://127.0.0.1:8000/v1",
 )
 def eval_(
     checkpoint: str = typer.Argument(..., help="The quantized model (any MODEL quantkit resolves)."),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Reference model.  [default: the source in quantkit.json]"),
-    tasks: str = typer.Option("ppl,kl,retrieval,tool-use", "--tasks", help="Comma-separated: ppl, kl, retrieval, tool-use."),
+    tasks: str = typer.Option(TASKS_DEFAULT, "--tasks", help="Comma-separated: ppl, kl, retrieval, tool-use."),
     lengths: str = typer.Option("1k,2k", "--lengths", help="Retrieval context lengths in tokens (1k = 1024)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Items per task and length (rows for ppl/kl)."),
     margin: float = typer.Option(2.0, "--margin", help="Equivalence margin in accuracy points."),
     bfcl: str = typer.Option("", "--bfcl", help="Also run bfcl-eval's data: e.g. simple,multiple,parallel,irrelevance."),
     tool_file: Optional[Path] = typer.Option(None, "--tool-file", help="A BFCL-format JSONL file instead of the bundled set."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated retrieval items."),
-    backend: str = typer.Option("hf", "--backend", help="hf (HF transformers). runtime and endpoint arrive with issues 5-6."),
+    text: str = typer.Option("builtin", "--text", help="Held-out text for ppl/kl: builtin, a .txt/.jsonl/.parquet file, or a datasets name."),
+    text_split: str = typer.Option("test", "--text-split", help="Split of a datasets --text."),
+    text_column: str = typer.Option("text", "--text-column", help="Text column of a JSONL/parquet/datasets --text."),
+    backend: str = typer.Option("hf", "--backend", help="How the quantized model runs: hf (HF transformers) or endpoint (--endpoint URL)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="OpenAI-compatible base URL serving CKPT, e.g. http://127.0.0.1:8000/v1."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer key for --endpoint."),
+    served_model: Optional[str] = typer.Option(None, "--served-model-name", help="Model name at --endpoint.  [default: the first in GET /models]"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Recompute the baseline instead of reusing cached results."),
     out: Path = typer.Option(Path("eval-results"), "--out", help="Folder for results.json, report.md and plots."),
     as_json: bool = JSON,
     quiet: bool = QUIET,
@@ -172,10 +183,23 @@ def eval_(
     chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if bad := [t for t in chosen if t not in TASKS]:
         raise QuantkitError(f"--tasks: unknown task {bad[0]!r} (known: {', '.join(TASKS)})")
-    if backend != "hf":
-        raise QuantkitError(f"--backend {backend}: only 'hf' exists yet (the runtime and endpoint backends come later)")
+    if backend == "runtime":
+        raise QuantkitError("--backend runtime: quantkit's decode runtime does not exist yet; use hf, or endpoint")
+    if backend not in ("hf", "endpoint"):
+        raise QuantkitError(f"--backend {backend}: use hf or endpoint")
+    if backend == "endpoint":
+        if not endpoint:
+            raise QuantkitError("--backend endpoint needs --endpoint URL (e.g. http://127.0.0.1:8000/v1)")
+        if tasks == TASKS_DEFAULT:  # an endpoint returns no logits: the generation tasks are what it can run
+            chosen = ("retrieval", "tool-use")
+        elif {"ppl", "kl"} & set(chosen):
+            raise QuantkitError("ppl and kl need full logits, which an endpoint does not return: use --tasks retrieval,tool-use")
+    elif endpoint:
+        backend = "endpoint"
     cfg = EvalConfig(tasks=chosen, lengths=_lengths(lengths), limit=limit, margin=margin / 100, seed=seed,
-                     bfcl=tuple(c for c in bfcl.split(",") if c), tool_file=tool_file)
+                     bfcl=tuple(c for c in bfcl.split(",") if c), tool_file=tool_file, text=text,
+                     text_split=text_split, text_column=text_column, cache=not no_cache, backend=backend,
+                     endpoint=endpoint, api_key=api_key, served_model=served_model)
     ui = Reporter(quiet or as_json)
     ckpt = resolve(checkpoint)
     base = resolve(baseline or baseline_of(ckpt.path))
@@ -195,6 +219,8 @@ def eval_(
         table.add_row(r["task"], fmt(r, "baseline"), fmt(r, "quantized"), fmt(r, "diff"), ci_text(r),
                       f"[{color}]{r['verdict']}[/]", str(r["n"]), r["note"])
     stdout.print(table)
+    if cached := report.details.get("baseline_cached"):
+        stdout.print(f"baseline results reused from the cache: {', '.join(cached)} (--no-cache recomputes)")
     stdout.print(f"wrote {', '.join(files)} to {out}")
 
 

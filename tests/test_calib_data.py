@@ -65,5 +65,5 @@ def test_small_sets_warn_and_short_text_errors(tokenizer, tmp_path):
 
 def test_unreachable_hub_dataset_is_one_clear_error(tokenizer, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(QuantkitError, match="cannot load calibration dataset 'nobody/nothing'"):
+    with pytest.raises(QuantkitError, match="cannot load dataset 'nobody/nothing'"):
         build(CalibConfig("nobody/nothing", samples=4, seqlen=32), tokenizer)

@@ -68,3 +68,68 @@ def test_verdicts_on_smollm2(smollm2_dir, tmp_path, capsys):
     print({k: (round(v["quantized"], 4), v["verdict"]) for k, v in kl.items()})
     assert kl["w8"]["verdict"] == "equivalent" and kl["w8"]["quantized"] < kl["w4"]["quantized"] / 10
     assert kl["broken"]["verdict"] == "degraded"
+
+
+def _summary(stdout: str) -> dict:
+    return {r["task"]: r for r in json.loads(stdout)["summary"]}
+
+
+def test_baseline_results_are_cached_by_content(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A second eval against the same baseline reuses its results (same numbers, no baseline run);
+    --no-cache, or other weights at the same path, recompute."""
+    import shutil
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    code, _, err = run(capsys, "quantize", str(base), "-o", str(tmp_path / "q"), "-g", "32", "-q")
+    assert code == 0, err
+    args = ["eval", str(tmp_path / "q"), "--lengths", "128", "--limit", "2", "--json"]
+    first = run(capsys, *args, "--out", str(tmp_path / "ev1"))
+    second = run(capsys, *args, "--out", str(tmp_path / "ev2"))
+    assert first[0] == second[0] == 0, first[2] + second[2]
+    assert json.loads(first[1])["details"]["baseline_cached"] == []
+    assert json.loads(second[1])["details"]["baseline_cached"] == ["retrieval", "tool use"]
+    assert _summary(first[1]) == _summary(second[1])
+    items = [json.loads((tmp_path / f"ev{i}/results.json").read_text())["items"] for i in (1, 2)]
+    assert items[0] == items[1]
+    third = run(capsys, *args, "--no-cache", "--out", str(tmp_path / "ev3"))
+    assert json.loads(third[1])["details"]["baseline_cached"] == []
+    assert _summary(third[1]) == _summary(first[1])
+    weights = load_file(base / "model.safetensors")
+    save_file({k: v * 1.01 for k, v in weights.items()}, base / "model.safetensors", metadata={"format": "pt"})
+    fourth = run(capsys, *args, "--out", str(tmp_path / "ev4"))
+    assert fourth[0] == 0 and json.loads(fourth[1])["details"]["baseline_cached"] == []
+
+
+def test_ppl_and_kl_on_a_local_text_file(tiny_dir, tmp_path, capsys):
+    code, _, err = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "q"), "-g", "32", "-q")
+    assert code == 0, err
+    text = tmp_path / "held_out.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 250}" for i in range(3000)))
+    code, stdout, err = run(capsys, "eval", str(tmp_path / "q"), "--tasks", "ppl,kl", "--text", str(text),
+                            "--out", str(tmp_path / "ev"), "--json", "--no-cache")
+    assert code == 0, err
+    summary = _summary(stdout)
+    assert summary["ppl"]["n"] == 3000 // 512  # rows of 512 tokens cut from the file
+    code, _, err = run(capsys, "eval", str(tmp_path / "q"), "--tasks", "ppl", "--text", str(tmp_path / "none.txt"),
+                       "--out", str(tmp_path / "ev2"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_bfcl_data_runs_end_to_end(tiny_dir, tmp_path, capsys):
+    """--bfcl adds bfcl-eval's real items (with their possible answers) to the bundled set; --limit is per source."""
+    pytest.importorskip("bfcl_eval")
+    code, _, err = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "q"), "-g", "32", "-q")
+    assert code == 0, err
+    code, stdout, err = run(capsys, "eval", str(tmp_path / "q"), "--tasks", "tool-use", "--bfcl", "simple,irrelevance",
+                            "--limit", "3", "--out", str(tmp_path / "ev"), "--json")
+    assert code == 0, err
+    items = [i for i in json.loads((tmp_path / "ev/results.json").read_text())["items"] if i["task"] == "tool-use"]
+    assert len(items) == 9
+    bfcl = [i for i in items if i["id"].startswith(("simple_python_", "irrelevance_"))]
+    assert [i["category"] for i in bfcl] == ["simple"] * 3 + ["irrelevance"] * 3
+    assert all("calls" in i["quantized"] and "correct" in i["baseline"] for i in items)
+    code, _, err = run(capsys, "eval", str(tmp_path / "q"), "--tasks", "tool-use", "--tool-file", str(tmp_path / "none.jsonl"),
+                       "--out", str(tmp_path / "ev2"))
+    assert code == 2 and "no tool-use file" in err and len(err.strip().splitlines()) == 1

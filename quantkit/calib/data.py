@@ -93,8 +93,8 @@ def _file_texts(path: Path, cfg: CalibConfig, tokenizer) -> list[str]:
             ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
             return [_row_text(r, cfg, tokenizer, f"{path} row {i}") for i, r in enumerate(ds)]
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise QuantkitError(f"cannot read calibration file {path}: {str(e).splitlines()[0]}") from e
-    raise QuantkitError(f"calibration file {path}: use .txt, .jsonl, .json or .parquet")
+        raise QuantkitError(f"cannot read text file {path}: {str(e).splitlines()[0]}") from e
+    raise QuantkitError(f"text file {path}: use .txt, .jsonl, .json or .parquet")
 
 
 def _hub_texts(cfg: CalibConfig, tokenizer) -> list[str]:
@@ -105,8 +105,8 @@ def _hub_texts(cfg: CalibConfig, tokenizer) -> list[str]:
         ds = datasets.load_dataset(name, subset or None, split=cfg.split)
     except Exception as e:  # offline, unknown dataset, bad split: one line
         raise QuantkitError(
-            f"cannot load calibration dataset {cfg.source!r} (split {cfg.split}): {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}; use --calib builtin or a local file"
+            f"cannot load dataset {cfg.source!r} (split {cfg.split}): {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}; use the built-in text or a local file"
         ) from e
     rows = ds.shuffle(seed=cfg.seed).select(range(min(len(ds), cfg.samples * 8)))
     return [_row_text(r, cfg, tokenizer, f"{cfg.source} row {i}") for i, r in enumerate(rows)]
@@ -156,9 +156,17 @@ def build(cfg: CalibConfig, tokenizer) -> CalibSet:
     return CalibSet(torch.tensor(rows, dtype=torch.long), adds_bos(tokenizer), warnings)
 
 
-def eval_rows(tokenizer, seqlen: int, max_rows: int | None = None) -> Tensor:
-    """Held-out built-in text as [rows, seqlen] token ids, in order (for perplexity)."""
-    rows = _rows(_stream(builtin_texts("eval"), tokenizer), seqlen, tokenizer)
+def eval_rows(tokenizer, seqlen: int, max_rows: int | None = None, source: str = BUILTIN, split: str = "test",
+              column: str = "text") -> Tensor:
+    """Held-out text as [rows, seqlen] token ids, in order (for perplexity): the built-in corpus's held-out
+    blocks, or any text source `--calib` accepts (a local file, a datasets name)."""
+    if source == BUILTIN:
+        texts = builtin_texts("eval")
+    else:
+        texts = load_texts(CalibConfig(source=source, split=split, column=column, samples=max_rows or 64), tokenizer)
+    rows = _rows(_stream(texts, tokenizer), seqlen, tokenizer)
+    if not rows:
+        raise QuantkitError(f"{source}: too little text for one row of {seqlen} tokens")
     return torch.tensor(rows[:max_rows] if max_rows else rows, dtype=torch.long)
 
 

@@ -1,47 +1,43 @@
-"""The one small interface evals talk to a model through: logits, batched greedy generation, token counts.
+"""The one small interface evals talk to a model through: chat prompts, token counts, logits, greedy generation.
 
-`HFBackend` runs a dense or compressed-tensors checkpoint in HF transformers; the bundled runtime and
-OpenAI-compatible endpoints will sit behind the same three methods.
+`HFBackend` runs a dense or compressed-tensors checkpoint in HF transformers (loaded only when first
+asked for logits or text, so a fully cached baseline never loads); `EndpointBackend` sends the same
+prompts to any OpenAI-compatible server (vLLM, `quantkit serve`). Both format prompts with the model's
+own tokenizer and chat template, so the two backends see byte-identical prompts.
 """
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from quantkit import QuantkitError
 
-class HFBackend:
-    """HF transformers on CPU (or CUDA), greedy decoding, batches sorted by length with left padding.
 
-    bf16 by default: the dtype these checkpoints are served in, and ~2.5x faster than fp32 on CPUs with
-    AVX512-BF16. Logits are compared in float32."""
+class TokenizerMixin:
+    """Prompt formatting and token counting from the model's own tokenizer."""
 
-    def __init__(self, path: Path, name: str, dtype: torch.dtype = torch.bfloat16, batch_size: int = 8):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = None
 
-        from quantkit.models import _no_tqdm, _quiet_transformers
+    def _load_tokenizer(self, path: Path) -> None:
+        from transformers import AutoTokenizer
 
-        self.name, self.path, self.batch_size = name, path, batch_size
-        with _quiet_transformers(), _no_tqdm():  # compressed-tensors draws its own bars while loading
+        from quantkit.models import _quiet_transformers
+
+        with _quiet_transformers():
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.device = next(self.model.parameters()).device
-
-    @property
-    def context_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    @torch.no_grad()
-    def logits(self, ids: Tensor) -> Tensor:
-        return self.model(input_ids=ids.to(self.device), use_cache=False).logits
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         kwargs = {"tools": tools} if tools and self.supports_tools else {}
@@ -53,6 +49,55 @@ class HFBackend:
     def supports_tools(self) -> bool:
         template = getattr(self.tokenizer, "chat_template", None) or ""
         return "tools" in template
+
+
+def _context_length(path: Path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+class HFBackend(TokenizerMixin):
+    """HF transformers on CPU (or CUDA), greedy decoding, batches sorted by length with left padding.
+
+    bf16 by default: the dtype these checkpoints are served in, and ~2.5x faster than fp32 on CPUs with
+    AVX512-BF16. Logits are compared in float32."""
+
+    kind = "hf"
+
+    def __init__(self, path: Path, name: str, dtype: torch.dtype = torch.bfloat16, batch_size: int = 8):
+        self.name, self.path, self.dtype, self.batch_size = name, path, dtype, batch_size
+        self._model = None
+        self._load_tokenizer(path)
+        self.context_length = _context_length(path)
+
+    @property
+    def identity(self) -> dict:
+        """What this backend's results depend on besides the inputs (for the result cache)."""
+        from quantkit.eval.cache import model_hash
+
+        return {"model": model_hash(self.path), "backend": self.kind, "dtype": str(self.dtype), "batch": self.batch_size}
+
+    @property
+    def model(self):
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            from quantkit.models import _no_tqdm, _quiet_transformers
+
+            # compressed-tensors draws bars of its own while loading and on the first forward, when it
+            # decompresses: run that forward here, silenced.
+            with _quiet_transformers(), _no_tqdm(), torch.no_grad():
+                self._model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).eval()
+                self._model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self._model.device), use_cache=False)
+        return self._model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def logits(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids.to(self.device), use_cache=False).logits
 
     @torch.no_grad()
     def generate(self, prompts: list[str], max_new_tokens: int, on_item=None) -> list[str]:
@@ -69,3 +114,63 @@ class HFBackend:
                 if on_item:
                     on_item()
         return out
+
+
+class EndpointBackend(TokenizerMixin):
+    """A model behind an OpenAI-compatible server, reached through `POST {url}/completions`.
+
+    Prompts are formatted here with the tokenizer of `path` (the checkpoint being served) and sent as raw
+    completions, temperature 0, so the server applies no template of its own and both sides of a
+    comparison see the same text. Requests run `concurrency` at a time so the server can batch them.
+    Distribution metrics need full logits, which these APIs do not return: only generation tasks run here.
+    """
+
+    kind = "endpoint"
+
+    def __init__(self, url: str, path: Path, name: str, model: str | None = None, api_key: str | None = None,
+                 concurrency: int = 8, timeout: float = 600.0):
+        self.url, self.path, self.name = url.rstrip("/"), path, name
+        self.api_key, self.concurrency, self.timeout = api_key, concurrency, timeout
+        self._load_tokenizer(path)
+        self.context_length = _context_length(path)
+        self.model_name = model or self._served_model()
+
+    @property
+    def identity(self) -> dict:
+        return {"endpoint": self.url, "model": self.model_name}
+
+    def _request(self, method: str, route: str, body: dict | None = None) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"{self.url}{route}", data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300]
+            raise QuantkitError(f"endpoint {self.url}{route} answered {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise QuantkitError(f"endpoint {self.url}{route} unreachable or not OpenAI-compatible: {e}") from None
+
+    def _served_model(self) -> str:
+        models = self._request("GET", "/models").get("data") or []
+        if not models:
+            raise QuantkitError(f"endpoint {self.url} serves no model (GET /models is empty)")
+        return models[0]["id"]
+
+    def logits(self, ids: Tensor) -> Tensor:
+        raise QuantkitError("ppl and kl need full logits, which an endpoint does not return: use --tasks retrieval,tool-use")
+
+    def generate(self, prompts: list[str], max_new_tokens: int, on_item=None) -> list[str]:
+        def one(prompt: str) -> str:
+            body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0}
+            reply = self._request("POST", "/completions", body)
+            text = reply["choices"][0]["text"]
+            if on_item:
+                on_item()
+            return text
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(one, prompts))

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from quantkit import QuantkitError
-from quantkit.calib.data import builtin_texts, eval_rows
+from quantkit.calib.data import BUILTIN, builtin_texts, eval_rows
 from quantkit.eval import retrieval, tool_use
+from quantkit.eval.cache import ResultCache, digest_of, key
 from quantkit.eval.kl import distribution
 from quantkit.eval.stats import DEGRADED, EQUIVALENT, compare
 from quantkit.ui import Reporter
@@ -42,6 +43,14 @@ class EvalConfig:
     bfcl: tuple[str, ...] = ()
     tool_file: Path | None = None
     retrieval_tasks: tuple[str, ...] = RETRIEVAL_TASKS
+    text: str = BUILTIN  # held-out text for ppl/kl: "builtin", a local file, or a datasets name
+    text_split: str = "test"
+    text_column: str = "text"
+    cache: bool = True  # reuse baseline results from earlier runs
+    backend: str = "hf"  # for the quantized model: "hf" or "endpoint"
+    endpoint: str | None = None
+    api_key: str | None = None
+    served_model: str | None = None
 
 
 @dataclass(slots=True)
@@ -74,8 +83,10 @@ def distribution_verdict(kl_mean: float, ppl_ratio: float) -> str:
     return "small loss"
 
 
-def run_distribution(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter) -> None:
-    rows = eval_rows(base.tokenizer, cfg.seqlen, cfg.limit or 16)
+def run_distribution(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter, cache: ResultCache) -> None:
+    """Both models run here, cache or not: exact KL needs both full next-token distributions, and a
+    baseline's full logits (vocab floats per token) are too large to keep; this is the cheap task."""
+    rows = eval_rows(base.tokenizer, cfg.seqlen, cfg.limit or 16, cfg.text, cfg.text_split, cfg.text_column)
     with ui.bar("ppl + KL (held-out rows)", rows.shape[0]) as advance:
         d = distribution(base, quant, rows, on_row=advance)
     verdict = distribution_verdict(d.kl_mean, d.ppl_ratio)
@@ -89,22 +100,28 @@ def run_distribution(base, quant, cfg: EvalConfig, report: EvalReport, ui: Repor
                            "note": f"median {d.kl_median:.4f}, p99 {d.kl_p99:.4f}, top-1 agreement {d.top1_agreement:.1%}"})
 
 
-def _run_pair(base, quant, prompts: list[str], max_new: int, label: str, ui: Reporter) -> tuple[list[str], list[str]]:
-    outs = []
-    for model in (base, quant):
-        with ui.bar(f"{label}: {model.name}", len(prompts)) as advance:
-            outs.append(model.generate(prompts, max_new, on_item=advance))
-    return outs[0], outs[1]
+def _run_pair(base, quant, prompts: list[str], max_new: int, label: str, ui: Reporter,
+              cache: ResultCache) -> tuple[list[str], list[str]]:
+    """Both models' greedy outputs for prompts; the baseline's come from the cache when it has them."""
+    k = key(**base.identity, task=label, prompts=digest_of(prompts), max_new=max_new)
+    out_b = cache.get(k, label)
+    if out_b is None:
+        with ui.bar(f"{label}: {base.name}", len(prompts)) as advance:
+            out_b = base.generate(prompts, max_new, on_item=advance)
+        cache.put(k, out_b)
+    with ui.bar(f"{label}: {quant.name}", len(prompts)) as advance:
+        out_q = quant.generate(prompts, max_new, on_item=advance)
+    return out_b, out_q
 
 
-def run_retrieval(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter) -> None:
+def run_retrieval(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter, cache: ResultCache) -> None:
     lengths = [n for n in cfg.lengths if n + 64 <= min(base.context_length, quant.context_length)]
     if not lengths:
         raise QuantkitError(f"no requested length fits the model's context of {base.context_length} tokens")
     filler = retrieval.Filler(builtin_texts("eval"))
     items = retrieval.generate(list(cfg.retrieval_tasks), lengths, cfg.limit or 3, cfg.seed, base.count, filler)
     prompts = [base.chat_prompt([{"role": "user", "content": it.prompt}]) for it in items]
-    out_b, out_q = _run_pair(base, quant, prompts, 48, "retrieval", ui)
+    out_b, out_q = _run_pair(base, quant, prompts, 48, "retrieval", ui, cache)
     sb = torch.tensor([retrieval.score(o, it.answers) for o, it in zip(out_b, items)])
     sq = torch.tensor([retrieval.score(o, it.answers) for o, it in zip(out_q, items)])
     cb, cq = (sb == 1).float(), (sq == 1).float()
@@ -122,10 +139,9 @@ def run_retrieval(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter
 
 
 def tool_items(cfg: EvalConfig) -> list[tool_use.ToolItem]:
-    items = tool_use.load_items(cfg.tool_file or tool_use.bundled_path())
-    for category in cfg.bfcl:
-        items += bfcl_items(category)
-    return items[: cfg.limit] if cfg.limit else items
+    """The bundled set (or --tool-file), then each --bfcl category; --limit applies to each source."""
+    sources = [tool_use.load_items(cfg.tool_file or tool_use.bundled_path())] + [bfcl_items(c) for c in cfg.bfcl]
+    return [it for items in sources for it in (items[: cfg.limit] if cfg.limit else items)]
 
 
 def bfcl_items(category: str) -> list[tool_use.ToolItem]:
@@ -142,13 +158,13 @@ def bfcl_items(category: str) -> list[tool_use.ToolItem]:
     return tool_use.load_items(path, category, root / "possible_answer" / path.name)
 
 
-def run_tool_use(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter) -> None:
+def run_tool_use(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter, cache: ResultCache) -> None:
     items = tool_items(cfg)
     prompts = []
     for it in items:
         messages, tools = tool_use.messages_for(it, base.supports_tools)
         prompts.append(base.chat_prompt(messages, tools))
-    out_b, out_q = _run_pair(base, quant, prompts, 160, "tool use", ui)
+    out_b, out_q = _run_pair(base, quant, prompts, 160, "tool use", ui, cache)
     scored = {"baseline": [], "quantized": []}
     for it, ob, oq in zip(items, out_b, out_q):
         row = {"task": "tool-use", "id": it.id, "category": it.category}
@@ -179,20 +195,26 @@ def _row(task: str, p) -> dict:
 
 def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
     """ckpt/baseline: resolved models (objects with .path and .spec)."""
-    from quantkit.eval.backends import HFBackend
+    from quantkit.eval.backends import EndpointBackend, HFBackend
 
+    fields = {k: v for k, v in _fields(cfg).items() if k != "api_key"}
     report = EvalReport(str(ckpt.spec), str(baseline.spec), {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
-                                                             for k, v in _fields(cfg).items()})
-    with ui.step("loading both models"):
+                                                             for k, v in fields.items()})
+    cache = ResultCache(enabled=cfg.cache)
+    with ui.step("reading both models' tokenizers"):
         base = HFBackend(baseline.path, "baseline")
-        quant = HFBackend(ckpt.path, "quantized")
+        if cfg.backend == "endpoint":
+            quant = EndpointBackend(cfg.endpoint, ckpt.path, "quantized", cfg.served_model, cfg.api_key)
+        else:
+            quant = HFBackend(ckpt.path, "quantized")
     steps = [("distribution", ("ppl" in cfg.tasks or "kl" in cfg.tasks), run_distribution),
              ("retrieval", "retrieval" in cfg.tasks, run_retrieval), ("tool-use", "tool-use" in cfg.tasks, run_tool_use)]
     for name, wanted, fn in steps:
         if wanted:
             start = time.perf_counter()
-            fn(base, quant, cfg, report, ui)
+            fn(base, quant, cfg, report, ui, cache)
             report.timings_s[name] = round(time.perf_counter() - start, 2)
+    report.details["baseline_cached"] = cache.hits
     return report
 
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantkit import QuantkitError
 from quantkit.eval.checker import check, made_call
 
 SYSTEM_PROMPT = (
@@ -40,14 +41,19 @@ def bundled_path() -> Path:
 
 def load_items(path: Path, category: str | None = None, answers: Path | None = None) -> list[ToolItem]:
     """A BFCL-format JSON-lines file; ground truth inline or in a separate `possible_answer` file."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    truth = {}
-    if answers and answers.exists():
-        truth = {a["id"]: a["ground_truth"] for a in map(json.loads, answers.read_text().splitlines()) if a}
-    items = []
-    for r in rows:
-        cat = r.get("category") or category or _category_of(r["id"])
-        items.append(ToolItem(r["id"], cat, r["question"][0], r["function"], r.get("ground_truth") or truth.get(r["id"], [])))
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        truth = {}
+        if answers and answers.exists():
+            truth = {a["id"]: a["ground_truth"] for a in map(json.loads, answers.read_text().splitlines()) if a}
+        items = []
+        for r in rows:
+            cat = r.get("category") or category or _category_of(r["id"])
+            items.append(ToolItem(r["id"], cat, r["question"][0], r["function"], r.get("ground_truth") or truth.get(r["id"], [])))
+    except FileNotFoundError:
+        raise QuantkitError(f"no tool-use file at {path}") from None
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise QuantkitError(f"{path} is not BFCL-format JSON lines ({type(e).__name__}: {e})") from None
     return items
 
 
