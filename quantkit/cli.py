@@ -9,7 +9,6 @@ import errno
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
@@ -40,17 +39,17 @@ QUIET = typer.Option(False, "--quiet", "-q", help="No progress and no summary ta
 def quantize(
     model: str = typer.Argument(..., help="Local HF directory, hub id (org/name), .gguf file, or smollm2-135m."),
     out: Path = typer.Option(..., "--out", "-o", help="Output checkpoint directory."),
-    bits: Optional[int] = typer.Option(None, "--bits", "-b", help="Weight bits: 4 or 8.  [default: 4]"),
-    group_size: Optional[int] = typer.Option(
+    bits: int | None = typer.Option(None, "--bits", "-b", help="Weight bits: 4 or 8.  [default: 4]"),
+    group_size: int | None = typer.Option(
         None, "--group-size", "-g", help="Columns per scale; -1 = per channel.  [default: 128 at 4 bits, per channel at 8]"
     ),
-    asym: Optional[bool] = typer.Option(None, "--asym/--sym", help="Asymmetric (zero points) or symmetric.  [default: sym]"),
-    method: Optional[str] = typer.Option(
+    asym: bool | None = typer.Option(None, "--asym/--sym", help="Asymmetric (zero points) or symmetric.  [default: sym]"),
+    method: str | None = typer.Option(
         None, "--method", "-m", help="rtn, gptq, awq, none (weights dense), bnb-nf4 or bnb-int8.  [default: rtn]"
     ),
-    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="fp8: calibrate static FP8 KV-cache scales."),
-    kv_strategy: Optional[str] = typer.Option(None, "--kv-strategy", help="KV scales per 'tensor' or per KV 'head'."),
-    actorder: Optional[bool] = typer.Option(None, "--actorder/--no-actorder", help="GPTQ: static activation order."),
+    kv_cache: str | None = typer.Option(None, "--kv-cache", help="fp8: calibrate static FP8 KV-cache scales."),
+    kv_strategy: str | None = typer.Option(None, "--kv-strategy", help="KV scales per 'tensor' or per KV 'head'."),
+    actorder: bool | None = typer.Option(None, "--actorder/--no-actorder", help="GPTQ: static activation order."),
     calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin, a .txt/.jsonl/.parquet file, or a hub dataset."),
     calib_samples: int = typer.Option(128, "--calib-samples", help="Calibration rows."),
     calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per calibration row."),
@@ -61,7 +60,7 @@ def quantize(
     device: str = typer.Option("auto", "--device", help="Where each layer is quantized: cpu, cuda or auto."),
     recipe: list[str] = typer.Option([], "--recipe", "-r", help="Recipe YAML file or bundled name; repeat to compose."),
     ignore: list[str] = typer.Option([], "--ignore", help="Keep matching Linears dense: module name or 're:REGEX'."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Scale and dense-tensor dtype: bf16 or fp16.  [default: the model's]"),
+    dtype: str | None = typer.Option(None, "--dtype", help="Scale and dense-tensor dtype: bf16 or fp16.  [default: the model's]"),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard."),
     force: bool = typer.Option(False, "--force", "-f", help="Replace OUT if it exists."),
     as_json: bool = JSON,
@@ -69,11 +68,10 @@ def quantize(
     debug: bool = DEBUG,
 ) -> None:
     """Quantize MODEL's decoder Linears and write a compressed-tensors checkpoint to OUT."""
+    from quantkit.calib.data import CalibConfig
     from quantkit.config import build_recipe
     from quantkit.formats.save import parse_size
     from quantkit.quantize import run_quantize
-
-    from quantkit.calib.data import CalibConfig
 
     overrides = {"bits": bits, "group_size": group_size, "method": method, "dtype": dtype,
                  "symmetric": None if asym is None else not asym, "kv_cache": kv_cache, "kv_strategy": kv_strategy,
@@ -153,21 +151,21 @@ TASKS_DEFAULT = "ppl,kl,retrieval,tool-use"
 )
 def eval_(
     checkpoint: str = typer.Argument(..., help="The quantized model (any MODEL quantkit resolves)."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="Reference model.  [default: the source in quantkit.json]"),
+    baseline: str | None = typer.Option(None, "--baseline", help="Reference model.  [default: the source in quantkit.json]"),
     tasks: str = typer.Option(TASKS_DEFAULT, "--tasks", help="Comma-separated: ppl, kl, retrieval, tool-use."),
     lengths: str = typer.Option("1k,2k", "--lengths", help="Retrieval context lengths in tokens (1k = 1024)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Items per task and length (rows for ppl/kl)."),
+    limit: int | None = typer.Option(None, "--limit", help="Items per task and length (rows for ppl/kl)."),
     margin: float = typer.Option(2.0, "--margin", help="Equivalence margin in accuracy points."),
     bfcl: str = typer.Option("", "--bfcl", help="Also run bfcl-eval's data: e.g. simple,multiple,parallel,irrelevance."),
-    tool_file: Optional[Path] = typer.Option(None, "--tool-file", help="A BFCL-format JSONL file instead of the bundled set."),
+    tool_file: Path | None = typer.Option(None, "--tool-file", help="A BFCL-format JSONL file instead of the bundled set."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated retrieval items."),
     text: str = typer.Option("builtin", "--text", help="Held-out text for ppl/kl: builtin, a .txt/.jsonl/.parquet file, or a datasets name."),
     text_split: str = typer.Option("test", "--text-split", help="Split of a datasets --text."),
     text_column: str = typer.Option("text", "--text-column", help="Text column of a JSONL/parquet/datasets --text."),
     backend: str = typer.Option("hf", "--backend", help="How the quantized model runs: hf (HF transformers) or endpoint (--endpoint URL)."),
-    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="OpenAI-compatible base URL serving CKPT, e.g. http://127.0.0.1:8000/v1."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer key for --endpoint."),
-    served_model: Optional[str] = typer.Option(None, "--served-model-name", help="Model name at --endpoint.  [default: the first in GET /models]"),
+    endpoint: str | None = typer.Option(None, "--endpoint", help="OpenAI-compatible base URL serving CKPT, e.g. http://127.0.0.1:8000/v1."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer key for --endpoint."),
+    served_model: str | None = typer.Option(None, "--served-model-name", help="Model name at --endpoint.  [default: the first in GET /models]"),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute the baseline instead of reusing cached results."),
     out: Path = typer.Option(Path("eval-results"), "--out", help="Folder for results.json, report.md and plots."),
     as_json: bool = JSON,

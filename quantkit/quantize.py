@@ -19,9 +19,13 @@ from torch import nn
 
 import quantkit
 from quantkit import QuantkitError
-from quantkit.memory import peak_rss_bytes, return_freed_memory
 from quantkit.calib.data import CalibConfig, build
-from quantkit.calib.sequential import Batch, LayerResult, first_layer_inputs, quantize_layer
+from quantkit.calib.sequential import (
+    Batch,
+    LayerResult,
+    first_layer_inputs,
+    quantize_layer,
+)
 from quantkit.config import Recipe
 from quantkit.formats.load import SafetensorsSource
 from quantkit.formats.save import (
@@ -33,6 +37,7 @@ from quantkit.formats.save import (
     write_manifest,
     write_metadata,
 )
+from quantkit.memory import peak_rss_bytes, return_freed_memory
 from quantkit.models import (
     DTYPES,
     check_supported,

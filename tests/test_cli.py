@@ -8,7 +8,6 @@ import pytest
 
 from tests.conftest import run_cli
 
-
 run = run_cli
 
 
@@ -164,8 +163,8 @@ def test_bitsandbytes_baseline(tiny_dir, tmp_path, capsys):
     assert code == 0 and json.loads(stdout)["quantized_modules"] == 14
     config = json.loads((tmp_path / "b/config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "bitsandbytes"
-    from transformers import AutoModelForCausalLM
     import torch
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "b", device_map="cpu")
     with torch.no_grad():

@@ -5,9 +5,8 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import run_cli
 from quantkit.eval.tool_use import parse_calls
-
+from tests.conftest import run_cli
 
 run = run_cli
 

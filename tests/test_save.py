@@ -6,13 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.compressors.pack_quantized.base import (
+    PackedQuantizationCompressor,
+)
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 from safetensors import safe_open
 
+import quantkit.quantize as quantize_mod
 from quantkit import QuantkitError
 from quantkit.config import build_recipe
-import quantkit.quantize as quantize_mod
 from quantkit.formats import save as save_mod
 from quantkit.formats.load import dense_state_dict, load_dequantized_model, read_tensors
 from quantkit.quantize import quantize_loaded, run_quantize

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from quantkit.eval.stats import DEGRADED, EQUIVALENT, INCONCLUSIVE, UNINFORMATIVE, compare, mcnemar_exact, paired_bootstrap_ci
+from quantkit.eval.stats import (
+    DEGRADED,
+    EQUIVALENT,
+    INCONCLUSIVE,
+    UNINFORMATIVE,
+    compare,
+    mcnemar_exact,
+    paired_bootstrap_ci,
+)
 
 
 def test_mcnemar_exact_on_a_hand_made_table():

@@ -195,7 +195,7 @@ class KVObserver:
         self.batch: dict = {}
         self.handles = []
 
-    def __enter__(self) -> "KVObserver":
+    def __enter__(self) -> KVObserver:
         if self.strategy:
             attn = self.layer.self_attn
             self.handles = [attn.k_proj.register_forward_hook(lambda m, a, o: self.observe("k", o)),

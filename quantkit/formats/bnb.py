@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from quantkit import QuantkitError
-from quantkit.memory import peak_rss_bytes
 from quantkit.formats.save import MANIFEST_NAME, atomic_dir
+from quantkit.memory import peak_rss_bytes
 
 
 def bnb_config(method: str, dtype: torch.dtype):

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from quantkit import QuantkitError
-from quantkit.formats.load import PACKED, quant_config_of, read_header, read_tensors, safetensors_files, scheme_for
+from quantkit.formats.load import (
+    PACKED,
+    quant_config_of,
+    read_header,
+    read_tensors,
+    safetensors_files,
+    scheme_for,
+)
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1, "BOOL": 1}
 LAYER_INDEX = re.compile(r"\.layers\.\d+\.")

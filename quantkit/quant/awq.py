@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from quantkit.config import Scheme
-from quantkit.quant.qparams import QuantizedWeight, dequantize, grouped, minmax_qparams, quantize
+from quantkit.quant.qparams import (
+    QuantizedWeight,
+    dequantize,
+    grouped,
+    minmax_qparams,
+    quantize,
+)
 
 
 @dataclass(slots=True, frozen=True)
