@@ -1,0 +1,70 @@
+"""PyTorch's packed integer matmuls on CPU: `_weight_int4pack_mm_for_cpu` (groups of 32-256, bf16 or fp32
+activations) and `_weight_int8pack_mm` (one scale per output channel).
+
+Weights are repacked once at load from the checkpoint's generic layout (signed q, scale, optional zero
+point) into what these ops read. `int4_supported` / `int8_supported` say when a shape fits; otherwise
+the runtime keeps the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+INT4_GROUPS = (256, 128, 64, 32)
+
+
+def int4_group(in_features: int, group_size: int | None) -> int | None:
+    """The group size the int4 op will use: the scheme's own, or for per-channel scales the largest
+    supported size dividing the row (the channel scale repeated per group)."""
+    if group_size is not None:
+        return group_size if group_size in INT4_GROUPS else None
+    return next((g for g in INT4_GROUPS if in_features % g == 0), None)
+
+
+def int4_supported(out_features: int, in_features: int, group_size: int | None) -> bool:
+    return out_features % 16 == 0 and int4_group(in_features, group_size) is not None
+
+
+def repack_int4(q: Tensor, scale: Tensor, zero_point: Tensor | None, group_size: int | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """q int8 [out, in] in [-8, 7], scale/zero_point [out, groups] -> (packed uint8, scales_and_zeros [g', out, 2], g').
+
+    The op computes w = (u - 8) * scale + zero with u = q + 8, so zero = -zero_point * scale."""
+    out_features, in_features = q.shape
+    group = int4_group(in_features, group_size)
+    reps = (in_features // group) // scale.shape[1]  # > 1 only for per-channel scales
+    scale = scale.float().repeat_interleave(reps, dim=1)
+    zero = torch.zeros_like(scale) if zero_point is None else -zero_point.float().repeat_interleave(reps, dim=1) * scale
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 2)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [groups, out, 2]
+    return packed, scales_zeros, group
+
+
+def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
+    """x [t, in] -> [t, out]."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_zeros)
+
+
+def int8_supported(group_size: int | None, symmetric: bool) -> bool:
+    return group_size is None and symmetric
+
+
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x [t, in], q int8 [out, in], scale [out] in x's dtype -> [t, out]."""
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """Causal attention of one sequence's new queries over all its keys, with PyTorch's fused SDPA.
+
+    q [n, heads, d] at positions start..start+n-1; k, v [start+n, kv_heads, d] -> [n, heads, d]."""
+    n, total = q.shape[0], k.shape[0]
+    mask = None
+    if n > 1:  # queries see keys up to their own position; a single decode query sees everything
+        pos_q = torch.arange(start, start + n, device=q.device).unsqueeze(1)
+        mask = torch.arange(total, device=q.device).unsqueeze(0) <= pos_q  # [n, total]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, enable_gqa=True,
+    )  # [1, heads, n, d]
+    return out[0].transpose(0, 1)

@@ -1,0 +1,257 @@
+"""The engine: requests in, one batched step at a time, tokens out. `LLM` is the library API on top.
+
+    from quantkit import LLM, SamplingParams
+    llm = LLM("out-w4")
+    print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantkit import QuantkitError
+from quantkit.runtime.block_manager import BlockManager
+from quantkit.runtime.kv_cache import CacheSpec, KVCache
+from quantkit.runtime.layers.attention import Batch, SeqSlice
+from quantkit.runtime.models.llama import LlamaModel
+from quantkit.runtime.sampler import Sample, SamplingParams, sample
+from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
+from quantkit.runtime.sequence import Sequence, Status
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    dtype: str = "auto"  # compute dtype: auto (the checkpoint's, bf16 for fp32 checkpoints), bf16, fp16, fp32
+    kv_cache_dtype: str = "auto"  # auto (fp8 when the checkpoint has calibrated scales, else the compute dtype), fp8, bf16, fp16, fp32
+    kv_cache_memory: int | None = None  # bytes; default: enough for max_num_seqs full contexts, at most 25% of free memory
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefix_caching: bool = True
+    kernel: str = "packed"  # packed | dense | reference
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    id: str
+    token_ids: list[int]  # all output tokens so far
+    new_token_ids: list[int]  # produced by this step
+    text: str
+    delta: str  # text added by this step
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    samples: list[Sample] = field(default_factory=list)  # one per output token so far
+
+
+class LLMEngine:
+    def __init__(self, path: str | Path, cfg: EngineConfig | None = None, tokenizer=None):
+        self.cfg = cfg = cfg or EngineConfig()
+        self.path = Path(path)
+        hf = json.loads((self.path / "config.json").read_text())
+        self.dtype = _compute_dtype(cfg.dtype, hf)
+        self.model = LlamaModel(self.path, self.dtype, cfg.kernel, cfg.device)
+        m = self.model.cfg
+        self.tokenizer = tokenizer if tokenizer is not None else _tokenizer(self.path)
+        self.eos = _eos_ids(self.path, self.tokenizer)
+        self.context_length = m.max_position
+        kv_dtype, scales, self.kv_warning = _kv_dtype(cfg.kv_cache_dtype, self.dtype, self.model.kv_scales, m.num_layers)
+        spec = CacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, cfg.block_size, kv_dtype)
+        blocks = spec.blocks_for(cfg.kv_cache_memory or _default_budget(spec, cfg, m.max_position))
+        if blocks < 2:
+            raise QuantkitError(f"KV-cache budget too small: one block of {cfg.block_size} tokens needs {spec.bytes_per_block} bytes")
+        self.cache = KVCache(spec, blocks, self.dtype, cfg.device, scales)
+        self.blocks = BlockManager(blocks, cfg.block_size, cfg.prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.blocks)
+        self.seqs: dict[str, Sequence] = {}
+        self.steps = 0
+        self._ids = itertools.count()
+
+    # --- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise QuantkitError("empty prompt")
+        limit = min(self.context_length, self.cache.tokens)
+        if len(ids) >= limit:
+            raise QuantkitError(f"prompt of {len(ids)} tokens does not fit: the limit is {limit - 1} "
+                                f"(context {self.context_length}, KV cache {self.cache.tokens} tokens)")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise QuantkitError(f"request id {rid} is already in use")
+        seq = Sequence(rid, ids, params, arrival=self.steps)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.unfinished > 0
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one batched forward, sample, and report every request that moved."""
+        self.steps += 1
+        work = self.scheduler.schedule()
+        if not work:
+            return []
+        batch, wants = self._batch(work)
+        logits = self.model(batch, self.cache)  # [S, vocab]
+        outputs = []
+        for seq, n in work:
+            seq.computed += n
+            self.blocks.commit(seq)
+        for row, seq in enumerate(wants):
+            s = sample(logits[row], seq.params, seq.tokens, seq.generator)
+            outputs.append(self._advance(seq, s))
+        return outputs
+
+    def _batch(self, work: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+        tokens, positions, slots, seqs, wanted, wants = [], [], [], [], [], []
+        bs = self.cfg.block_size
+        for seq, n in work:
+            offset, start = len(tokens), seq.computed
+            pos = list(range(start, start + n))
+            tokens += seq.tokens[start : start + n]
+            positions += pos
+            slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
+            seqs.append(SeqSlice(offset, n, start, torch.tensor(seq.blocks[: -(-(start + n) // bs)], dtype=torch.long)))
+            if start + n == len(seq):  # its last known token is in: sample the next one
+                wanted.append(offset + n - 1)
+                wants.append(seq)
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.cfg.device)  # noqa: E731
+        return Batch(t(tokens), t(positions), t(slots), seqs, t(wanted)), wants
+
+    def _advance(self, seq: Sequence, s: Sample) -> RequestOutput:
+        before = seq.text
+        p = seq.params
+        seq.output.append(s.token)
+        seq.samples.append(s)
+        reason = None
+        if not p.ignore_eos and s.token in self.eos or s.token in p.stop_token_ids:
+            reason = "stop"
+        seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        for stop in p.stop:
+            if (at := seq.text.find(stop, max(len(before) - len(stop), 0))) >= 0:
+                seq.text, reason = seq.text[:at], "stop"
+                break
+        if reason is None and (len(seq.output) >= p.max_tokens or len(seq) >= min(self.context_length, self.cache.tokens)):
+            reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self.seqs.pop(seq.id, None)
+        delta = seq.text[len(before):] if seq.text.startswith(before) else seq.text
+        return RequestOutput(seq.id, list(seq.output), [s.token], seq.text, delta, reason is not None, reason,
+                             len(seq.prompt), list(seq.samples))
+
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": len(self.blocks.refs),
+                "prefix_cache_queries": self.blocks.queries, "prefix_cache_hits": self.blocks.hits,
+                "preemptions": self.scheduler.preemptions}
+
+
+class LLM:
+    """Offline generation: `generate` runs a list of prompts to completion with continuous batching;
+    `stream` yields one request's outputs token by token."""
+
+    def __init__(self, model: str | Path, **engine_args):
+        from quantkit.models import resolve
+
+        self.engine = LLMEngine(resolve(str(model)).path, EngineConfig(**engine_args))
+
+    def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.id] = out
+        return [done[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        rid = self.engine.add_request(prompt, params)
+        while True:
+            for out in self.engine.step():
+                if out.id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+
+def _compute_dtype(name: str, hf: dict) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise QuantkitError(f"dtype {name}: use auto, bf16, fp16 or fp32")
+        return DTYPES[name]
+    src = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
+    return torch.float16 if src == "float16" else torch.bfloat16
+
+
+def _kv_dtype(name: str, compute: torch.dtype, scales, layers: int):
+    """-> (storage dtype, per-layer scales or None, warning or None)."""
+    if name == "auto":
+        name = "fp8" if scales is not None else "compute"
+    if name == "fp8":
+        if scales is None:
+            warning = ("FP8 KV cache without calibrated k_scale/v_scale in the checkpoint: using scale 1.0, which "
+                       "clips keys and values beyond +-448 and loses precision near zero (quantize with --kv-cache fp8)")
+            print(f"warning: {warning}", file=sys.stderr)
+            one = torch.ones(1)
+            return torch.float8_e4m3fn, [(one, one)] * layers, warning
+        return torch.float8_e4m3fn, scales, None
+    if name == "compute":
+        return compute, None, None
+    if name not in DTYPES:
+        raise QuantkitError(f"kv cache dtype {name}: use auto, fp8, bf16, fp16 or fp32")
+    return DTYPES[name], None, None
+
+
+def _default_budget(spec: CacheSpec, cfg: EngineConfig, context: int) -> int:
+    want = cfg.max_num_seqs * context * spec.bytes_per_block // spec.block_size
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 4 << 30
+    return min(want, avail // 4)
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    from quantkit.models import _quiet_transformers
+
+    with _quiet_transformers():
+        return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_ids(path: Path, tokenizer) -> set[int]:
+    ids = set()
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,69 @@
+"""The paged KV cache: per layer, keys and values in fixed-size blocks of token slots.
+
+Stored in the compute dtype, or in FP8 E4M3 as k / k_scale with the checkpoint's calibrated scales
+(per tensor [1] or per KV head [kv_heads, 1, 1]). Sized from a memory budget, so the number of tokens
+that fit is known, and reported, before the first request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from quantkit.kernels import reference
+
+
+@dataclass(slots=True)
+class CacheSpec:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype  # storage: a float dtype or torch.float8_e4m3fn
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    def blocks_for(self, budget_bytes: int) -> int:
+        return max(budget_bytes // self.bytes_per_block, 0)
+
+
+class KVCache:
+    def __init__(self, spec: CacheSpec, num_blocks: int, compute_dtype: torch.dtype, device: str,
+                 scales: list[tuple[Tensor, Tensor]] | None = None):
+        self.spec, self.num_blocks, self.compute_dtype = spec, num_blocks, compute_dtype
+        shape = (num_blocks, spec.block_size, spec.kv_heads, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.fp8 = spec.dtype == torch.float8_e4m3fn
+        self.scales = scales  # per layer (k_scale, v_scale), float32, broadcastable to [.., kv_heads, head_dim]
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.spec.block_size
+
+    def store(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write new keys/values [t, kv_heads, d] into their slots [t] (quantizing to FP8 on write)."""
+        kc = self.k[layer].view(-1, self.spec.kv_heads, self.spec.head_dim)
+        vc = self.v[layer].view(-1, self.spec.kv_heads, self.spec.head_dim)
+        if self.fp8:
+            ks, vs = self._scales(layer)
+            k, v = reference.quantize_fp8(k, ks), reference.quantize_fp8(v, vs)
+        kc[slots] = k.to(kc.dtype)
+        vc[slots] = v.to(vc.dtype)
+
+    def gather(self, layer: int, blocks: Tensor, length: int) -> tuple[Tensor, Tensor]:
+        """One sequence's first `length` keys and values [length, kv_heads, d], in the compute dtype."""
+        k = self.k[layer][blocks].view(-1, self.spec.kv_heads, self.spec.head_dim)[:length]
+        v = self.v[layer][blocks].view(-1, self.spec.kv_heads, self.spec.head_dim)[:length]
+        if self.fp8:
+            ks, vs = self._scales(layer)
+            return reference.dequantize_fp8(k, ks, self.compute_dtype), reference.dequantize_fp8(v, vs, self.compute_dtype)
+        return k, v
+
+    def _scales(self, layer: int) -> tuple[Tensor, Tensor]:
+        ks, vs = self.scales[layer]
+        return ks.reshape(-1, 1) if ks.numel() > 1 else ks, vs.reshape(-1, 1) if vs.numel() > 1 else vs

@@ -1,0 +1,1 @@
+"""The runtime's building blocks; the only code that calls `quantkit.kernels`."""

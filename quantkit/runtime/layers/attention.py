@@ -1,0 +1,42 @@
+"""Attention over the paged KV cache: new keys/values are written to their slots, then each sequence's
+queries attend over its own blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from quantkit.kernels import cpu, reference
+from quantkit.runtime.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One sequence's part of a flattened batch."""
+
+    offset: int  # first of its tokens in the batch
+    n: int  # its new tokens this step
+    start: int  # tokens already in the cache before this step (the first new token's position)
+    blocks: Tensor  # int64 block ids covering start + n tokens
+
+
+@dataclass(slots=True)
+class Batch:
+    tokens: Tensor  # [T] int64
+    positions: Tensor  # [T] int64
+    slots: Tensor  # [T] int64 cache slot of each new token
+    seqs: list[SeqSlice]
+    logits_index: Tensor  # [S] batch positions whose next-token logits are wanted
+
+
+def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache, kernel: str) -> Tensor:
+    """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> [T, heads, d]."""
+    cache.store(layer, batch.slots, k, v)
+    attend = reference.attention if kernel == "reference" else cpu.attention
+    out = torch.empty_like(q)
+    for s in batch.seqs:
+        keys, values = cache.gather(layer, s.blocks, s.start + s.n)
+        out[s.offset : s.offset + s.n] = attend(q[s.offset : s.offset + s.n], keys, values, s.start)
+    return out

@@ -1,0 +1,83 @@
+"""Linear layers over dense or compressed-tensors weights, repacked once at load for the chosen kernel.
+
+Kernels: "reference" dequantizes on every call (the oracle), "dense" dequantizes once at load (fast for
+large batches, no memory saving), "packed" keeps int4/int8 weights packed and uses PyTorch's CPU integer
+matmuls where the shape allows, the reference otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from quantkit.kernels import cpu, reference
+from quantkit.quant.qparams import dequantize
+
+KERNELS = ("packed", "dense", "reference")
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A quantized weight in the checkpoint's generic layout (unpacked from int32 words)."""
+
+    q: Tensor  # int8 [out, in], signed
+    scale: Tensor  # [out, groups]
+    zero_point: Tensor | None  # int8 [out, groups]
+    bits: int
+    group_size: int | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        return dequantize(self.q, self.scale, self.zero_point).to(dtype).contiguous()
+
+
+def fuse(weights: list[Tensor | QuantWeight]) -> Tensor | QuantWeight:
+    """Concatenate along the output dimension (q/k/v, gate/up) so one matmul serves them all."""
+    if all(isinstance(w, Tensor) for w in weights):
+        return torch.cat(weights, dim=0)
+    if not all(isinstance(w, QuantWeight) for w in weights) or len({(w.bits, w.group_size) for w in weights}) != 1:
+        dense = [w.dequantize(torch.float32) if isinstance(w, QuantWeight) else w.float() for w in weights]
+        return torch.cat(dense, dim=0)
+    zps = [w.zero_point for w in weights]
+    return QuantWeight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]),
+                       None if any(z is None for z in zps) else torch.cat(zps), weights[0].bits, weights[0].group_size)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Holds the weight in the layout its kernel reads."""
+
+    def __init__(self, weight: Tensor | QuantWeight, bias: Tensor | None, dtype: torch.dtype, kernel: str = "packed"):
+        super().__init__()
+        self.dtype = dtype
+        self.bias = None if bias is None else bias.to(dtype)
+        self.mode = "dense"
+        if isinstance(weight, Tensor):
+            self.weight = weight.to(dtype).contiguous()
+            return
+        out_features, in_features = weight.shape
+        if kernel == "reference":
+            self.mode, self.qw = "reference", weight
+        elif kernel == "packed" and weight.bits == 4 and cpu.int4_supported(out_features, in_features, weight.group_size):
+            self.mode = "int4"
+            self.packed, self.scales_zeros, self.group = cpu.repack_int4(weight.q, weight.scale, weight.zero_point,
+                                                                         weight.group_size, dtype)
+        elif kernel == "packed" and weight.bits == 8 and cpu.int8_supported(weight.group_size, weight.zero_point is None):
+            self.mode, self.q8, self.scale8 = "int8", weight.q.contiguous(), weight.scale[:, 0].to(dtype).contiguous()
+        else:
+            self.weight = weight.dequantize(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [t, in] -> [t, out]
+        if self.mode == "int4":
+            y = cpu.int4_linear(x, self.packed, self.scales_zeros, self.group)
+        elif self.mode == "int8":
+            y = cpu.int8_linear(x, self.q8, self.scale8)
+        elif self.mode == "reference":
+            y = reference.dequant_linear(x, self.qw.q, self.qw.scale, self.qw.zero_point)
+        else:
+            y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias

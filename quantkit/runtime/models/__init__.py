@@ -1,0 +1,1 @@
+"""Model definitions on the runtime's layers."""

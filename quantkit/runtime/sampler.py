@@ -1,0 +1,92 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, repetition penalty,
+a seed per request, and log-probabilities of the chosen and top-k tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from quantkit import QuantkitError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # also return this many top tokens' log-probabilities per step
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise QuantkitError("max_tokens must be >= 0")
+        if self.temperature < 0:
+            raise QuantkitError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise QuantkitError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise QuantkitError("min_p must be in [0, 1]")
+        if self.top_k < 0 or self.repetition_penalty <= 0:
+            raise QuantkitError("top_k must be >= 0 and repetition_penalty > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(slots=True)
+class Sample:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, logprob), best first; empty unless asked
+
+
+def penalize(logits: Tensor, seen: list[int], penalty: float) -> Tensor:
+    """CTRL-style repetition penalty, as HF applies it: positive logits divided, negative multiplied."""
+    if penalty == 1.0 or not seen:
+        return logits
+    idx = torch.tensor(sorted(set(seen)), dtype=torch.long)
+    vals = logits[idx]
+    logits = logits.clone()
+    logits[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def filter_logits(logits: Tensor, p: SamplingParams) -> Tensor:
+    """Temperature, then top-k, top-p and min-p masks: [vocab] -> [vocab] with -inf where excluded."""
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        kth = logits.topk(min(p.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if p.min_p > 0:
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: Tensor, p: SamplingParams, seen: list[int], generator: torch.Generator | None) -> Sample:
+    """logits [vocab] float32 -> the next token, with its log-probability under the model's distribution."""
+    logprobs = logits.log_softmax(-1)
+    adjusted = penalize(logits, seen, p.repetition_penalty)
+    if p.greedy:
+        token = int(adjusted.argmax())
+    else:
+        probs = filter_logits(adjusted, p).softmax(-1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    top = []
+    if p.logprobs:
+        values, ids = logprobs.topk(p.logprobs)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return Sample(token, float(logprobs[token]), top)

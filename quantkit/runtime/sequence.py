@@ -1,0 +1,43 @@
+"""One request as the engine tracks it: its tokens, how many are in the KV cache, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from quantkit.runtime.sampler import Sample, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int = 0  # engine step it arrived at (FIFO order)
+    output: list[int] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    computed: int = 0  # tokens whose keys/values are in the cache
+    blocks: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str = ""  # detokenized output (kept up to date by the engine for stop strings)
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)

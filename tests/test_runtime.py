@@ -1,0 +1,163 @@
+"""The decode runtime against HF transformers and against its own reference paths, on the tiny model.
+
+Greedy output must be token-identical to HF `generate` on a dense checkpoint (float32), whatever the
+batching: requests arriving at different steps, chunked prefill, preemption, prefix caching.
+"""
+
+import pytest
+import torch
+
+from quantkit import QuantkitError
+from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
+from quantkit.runtime.engine import LLM
+from tests.conftest import run_cli
+
+PROMPTS = [[1] + [(7 * i + j) % 250 + 4 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 64, 25, 33, 5])]
+
+
+def hf_greedy(path, prompts, max_new):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def run_staggered(engine: LLMEngine, prompts, params, every: int = 2) -> list[list[int]]:
+    """Add one request every `every` steps while stepping: continuous batching with late arrivals."""
+    pending = list(enumerate(prompts))
+    ids, done = {}, {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            i, p = pending.pop(0)
+            ids[engine.add_request(p, params)] = i
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.id]] = out.token_ids
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_dir):
+    return hf_greedy(tiny_dir, PROMPTS, 12)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(max_num_batched_tokens=16),  # prompts split into chunks, mixed with decodes
+    dict(kv_cache_memory=5 * 16384),  # 5 blocks of 16 tokens (16 KiB each here): preemption by recompute
+    dict(block_size=4, max_num_seqs=3),
+    dict(kernel="reference"),
+])
+def test_greedy_matches_hf_token_for_token(tiny_dir, hf_reference, cfg):
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", **cfg))
+    assert run_staggered(engine, PROMPTS, GREEDY) == hf_reference
+    assert engine.blocks.num_used == 0 and not engine.has_unfinished()
+    if "kv_cache_memory" in cfg:
+        assert engine.scheduler.preemptions > 0
+
+
+def test_prefix_caching_reuses_blocks_and_changes_nothing(tiny_dir):
+    shared = [1] + [(5 * j) % 250 + 4 for j in range(70)]
+    prompts = [shared + [10 + i, 20 + i] for i in range(4)]
+    outs = {}
+    for caching in (False, True):
+        engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", prefix_caching=caching))
+        outs[caching] = run_staggered(engine, prompts, GREEDY, every=30)
+        hits = engine.stats()["prefix_cache_hits"]
+        assert (hits >= 3 * (len(shared) // 16)) if caching else hits == 0
+    assert outs[True] == outs[False]
+
+
+def test_abort_frees_blocks(tiny_dir):
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32"))
+    a = engine.add_request(PROMPTS[4], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_used > 0
+    engine.abort(a)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_used == 0
+
+
+def prefill_logits(engine: LLMEngine, prompt: torch.Tensor) -> torch.Tensor:
+    """The engine's next-token logits [vocab] after prefilling `prompt` [n] into blocks 0, 1, ..."""
+    from quantkit.runtime.layers.attention import Batch, SeqSlice
+
+    n, bs = len(prompt), engine.cfg.block_size
+    batch = Batch(prompt, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // bs)))], torch.tensor([n - 1]))
+    return engine.model(batch, engine.cache)[0]
+
+
+def test_quantized_logits_match_hf_loading_the_same_checkpoint(tiny_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.formats.load import load_dequantized_model
+
+    prompt = torch.tensor(PROMPTS[4])
+    for args in (["--bits", "4", "-g", "32"], ["--bits", "4", "-g", "32", "--asym"], ["--bits", "8"], ["--bits", "4", "-g", "-1"]):
+        out = tmp_path / "-".join(args)
+        code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(out), "-q", *args)
+        assert code == 0, err
+        if "--asym" in args:  # HF 5.24 + compressed-tensors 0.20 re-initialise packed zero points (size mismatch)
+            hf = load_dequantized_model(out)  # so: quantkit's reading, bit-exact with compressed-tensors' decompressor
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = hf(prompt[None]).logits[0, -1].float()
+        got = {k: prefill_logits(LLMEngine(out, EngineConfig(dtype="fp32", kernel=k)), prompt) for k in ("packed", "reference")}
+        scale = want.abs().max().item()
+        assert (got["reference"] - want).abs().max().item() < 1e-4 * scale, args
+        assert (got["packed"] - want).abs().max().item() < 2e-2 * scale, args  # packed ops round activations to bf16 internally
+        assert got["packed"].argmax() == want.argmax()
+
+
+def test_fp8_kv_cache_uses_calibrated_scales_and_warns_without(tiny_dir, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "kv"), "--method", "none",
+                           "--kv-cache", "fp8", "--calib-samples", "4", "--calib-seqlen", "64", "-q")
+    assert code == 0, err
+    engine = LLMEngine(tmp_path / "kv", EngineConfig(dtype="fp32"))
+    assert engine.cache.fp8 and engine.kv_warning is None  # auto picks FP8 when the scales are there
+    dense = LLMEngine(tmp_path / "kv", EngineConfig(dtype="fp32", kv_cache_dtype="fp32"))
+    for p in PROMPTS[4:6]:
+        a, b = prefill_logits(engine, torch.tensor(p)), prefill_logits(dense, torch.tensor(p))
+        kl = (b.log_softmax(-1).exp() * (b.log_softmax(-1) - a.log_softmax(-1))).sum().item()
+        assert 0 < kl < 1e-3 and (a - b).abs().max() < 0.05 * b.abs().max()
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", kv_cache_dtype="fp8"))
+    assert "without calibrated" in engine.kv_warning and "without calibrated" in capsys.readouterr().err
+
+
+def test_sampling_options(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="fp32")
+    p = PROMPTS[2]
+    greedy = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    assert llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_k=1))[0].token_ids == greedy
+    a, b = (llm.generate([p], SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True))[0].token_ids for s in (1, 1))
+    assert a == b
+    runs = {tuple(llm.generate([p], SamplingParams(max_tokens=8, temperature=1.5, seed=s, ignore_eos=True))[0].token_ids) for s in range(4)}
+    assert len(runs) > 1
+    out = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3))[0]
+    assert all(len(s.top) == 3 and s.top[0][0] == t and s.logprob == pytest.approx(s.top[0][1]) for s, t in zip(out.samples, greedy))
+    stop = llm.generate([p], SamplingParams(max_tokens=8, stop_token_ids=[greedy[2]]))[0]
+    assert stop.token_ids == greedy[:3] and stop.finish_reason == "stop"
+    streamed = [o.new_token_ids[0] for o in llm.stream(p, SamplingParams(max_tokens=8, ignore_eos=True))]
+    assert streamed == greedy
+
+
+def test_bad_requests_are_clear_errors(tiny_dir):
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32"))
+    with pytest.raises(QuantkitError, match="does not fit"):
+        engine.add_request([5] * 300)
+    with pytest.raises(QuantkitError, match="top_p"):
+        SamplingParams(top_p=0)
