@@ -222,6 +222,76 @@ def eval_(
     stdout.print(f"wrote {', '.join(files)} to {out}")
 
 
+@app.command(
+    "bench",
+    epilog="Example: quantkit bench --offline smollm2-w4 --batch-sizes 1,8 --input-len 128 --output-len 64 --hf",
+)
+def bench(
+    url: str | None = typer.Argument(None, help="An OpenAI-compatible server to load (arrives with quantkit serve)."),
+    offline: str | None = typer.Option(None, "--offline", help="Benchmark quantkit's engine in-process on this model."),
+    batch_sizes: str = typer.Option("1,8", "--batch-sizes", help="Comma-separated numbers of concurrent requests."),
+    input_len: int = typer.Option(128, "--input-len", help="Prompt tokens per request."),
+    output_len: int = typer.Option(64, "--output-len", help="Generated tokens per request (EOS ignored)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, bf16, fp16, fp32."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto, fp8, bf16, fp16, fp32."),
+    kernel: str = typer.Option("packed", "--kernel", help="packed (int4/int8 ops), dense (dequantized at load) or reference."),
+    hf: bool = typer.Option(False, "--hf", help="Also run HF transformers generate on the same workload."),
+    llama_cpp: Path | None = typer.Option(None, "--llama-cpp", help="Also run this GGUF in llama.cpp (llama-cpp-python)."),
+    as_json: bool = JSON,
+    quiet: bool = QUIET,
+    debug: bool = DEBUG,
+) -> None:
+    """Measure generation throughput and latency: quantkit's engine, side by side with HF and llama.cpp."""
+    from quantkit import QuantkitError
+    from quantkit.bench.offline import Workload, run_engine, run_hf, run_llama_cpp
+    from quantkit.models import resolve
+    from quantkit.runtime import EngineConfig, LLMEngine
+
+    if offline is None:
+        raise QuantkitError("load generation against a server URL is not built yet: use --offline MODEL")
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise QuantkitError(f"--batch-sizes: {batch_sizes!r} is not a list of integers like 1,8") from None
+    if not sizes or min(sizes) < 1 or input_len < 1 or output_len < 2:
+        raise QuantkitError("--batch-sizes, --input-len must be >= 1 and --output-len >= 2")
+    ui = Reporter(quiet or as_json)
+    path = resolve(offline, status=ui.note).path
+    results = []
+    for b in sizes:
+        w = Workload(b, input_len, output_len)
+        with ui.step(f"quantkit engine, batch {b}"):
+            engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
+                                                  max_num_batched_tokens=max(2048, input_len)))
+            run_engine(engine, Workload(1, 8, 2))  # warm-up
+            results.append(run_engine(engine, w))
+        if hf:
+            with ui.step(f"HF generate, batch {b}"):
+                results.append(run_hf(path, w, engine.dtype, engine.tokenizer))
+        if llama_cpp:
+            with ui.step(f"llama.cpp, batch {b} (one request at a time)"):
+                results.append(run_llama_cpp(llama_cpp, w, engine.tokenizer, torch_threads()))
+    if as_json:
+        print(json.dumps({"model": offline, "results": [r.to_dict() for r in results]}, indent=2))
+        return
+    if quiet:
+        return
+    table = Table("system", "batch", "in", "out", "time", "TTFT", "output tok/s", "decode tok/s", "vs quantkit",
+                  title=f"{offline}: offline generation", title_justify="left")
+    ours = {r.batch: r for r in results if r.system == "quantkit"}
+    for r in results:
+        ratio = r.output_tok_s / ours[r.batch].output_tok_s
+        table.add_row(r.system, str(r.batch), str(r.input_len), str(r.output_len), f"{r.seconds:.2f} s", f"{r.ttft_s * 1e3:.0f} ms",
+                      f"{r.output_tok_s:.1f}", f"{r.decode_tok_s:.1f}", f"{ratio:.2f}x")
+    stdout.print(table)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _lengths(text: str) -> tuple[int, ...]:
     from quantkit import QuantkitError
 

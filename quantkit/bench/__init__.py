@@ -1,0 +1,1 @@
+"""Benchmarks users run: `quantkit bench --offline` (the engine in-process, with peers side by side)."""
