@@ -68,3 +68,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         attn_mask=mask, enable_gqa=True,
     )  # [1, heads, n, d]
     return out[0].transpose(0, 1)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+    """One new query per sequence, all in one SDPA call: q [S, heads, d]; k, v [S, L, kv_heads, d] padded
+    past lengths[i] -> [S, heads, d]."""
+    mask = torch.arange(k.shape[1], device=q.device).unsqueeze(0) < lengths.unsqueeze(1)  # [S, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], enable_gqa=True,
+    )  # [S, heads, 1, d]
+    return out[:, :, 0]

@@ -44,3 +44,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     pos_k = torch.arange(total, device=q.device).unsqueeze(0)
     scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
     return torch.einsum("hnt,thd->nhd", scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+    """One new query per sequence: q [S, heads, d] over k, v [S, L, kv_heads, d], of which the first
+    lengths[i] are sequence i's -> [S, heads, d]."""
+    return torch.stack([attention(q[i : i + 1], k[i, : int(n)], v[i, : int(n)], int(n) - 1)[0] for i, n in enumerate(lengths)])

@@ -20,7 +20,7 @@ import torch
 from quantkit import QuantkitError
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.kv_cache import CacheSpec, KVCache
-from quantkit.runtime.layers.attention import Batch, SeqSlice
+from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
 from quantkit.runtime.models.llama import LlamaModel
 from quantkit.runtime.sampler import Sample, SamplingParams, sample
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
@@ -126,6 +126,7 @@ class LLMEngine:
 
     def _batch(self, work: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
         tokens, positions, slots, seqs, wanted, wants = [], [], [], [], [], []
+        decode_rows, decode_tables, decode_lens = [], [], []
         bs = self.cfg.block_size
         for seq, n in work:
             offset, start = len(tokens), seq.computed
@@ -133,12 +134,22 @@ class LLMEngine:
             tokens += seq.tokens[start : start + n]
             positions += pos
             slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
-            seqs.append(SeqSlice(offset, n, start, torch.tensor(seq.blocks[: -(-(start + n) // bs)], dtype=torch.long)))
+            blocks = seq.blocks[: -(-(start + n) // bs)]
+            if n == 1:
+                decode_rows.append(offset)
+                decode_tables.append(blocks)
+                decode_lens.append(start + 1)
+            else:
+                seqs.append(SeqSlice(offset, n, start, torch.tensor(blocks, dtype=torch.long)))
             if start + n == len(seq):  # its last known token is in: sample the next one
                 wanted.append(offset + n - 1)
                 wants.append(seq)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.cfg.device)  # noqa: E731
-        return Batch(t(tokens), t(positions), t(slots), seqs, t(wanted)), wants
+        decodes = None
+        if decode_rows:
+            width = max(map(len, decode_tables))
+            decodes = Decodes(t(decode_rows), t([b + [0] * (width - len(b)) for b in decode_tables]), t(decode_lens))
+        return Batch(t(tokens), t(positions), t(slots), seqs, t(wanted), decodes), wants
 
     def _advance(self, seq: Sequence, s: Sample) -> RequestOutput:
         before = seq.text

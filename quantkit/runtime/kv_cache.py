@@ -64,6 +64,16 @@ class KVCache:
             return reference.dequantize_fp8(k, ks, self.compute_dtype), reference.dequantize_fp8(v, vs, self.compute_dtype)
         return k, v
 
+    def gather_padded(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
+        """Several sequences' keys and values [S, blocks * block_size, kv_heads, d] from block tables [S, blocks]."""
+        s, nb = tables.shape
+        shape = (s, nb * self.spec.block_size, self.spec.kv_heads, self.spec.head_dim)
+        k, v = self.k[layer][tables].view(shape), self.v[layer][tables].view(shape)
+        if self.fp8:
+            ks, vs = self._scales(layer)
+            return reference.dequantize_fp8(k, ks, self.compute_dtype), reference.dequantize_fp8(v, vs, self.compute_dtype)
+        return k, v
+
     def _scales(self, layer: int) -> tuple[Tensor, Tensor]:
         ks, vs = self.scales[layer]
         return ks.reshape(-1, 1) if ks.numel() > 1 else ks, vs.reshape(-1, 1) if vs.numel() > 1 else vs

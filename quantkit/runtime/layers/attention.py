@@ -23,12 +23,22 @@ class SeqSlice:
 
 
 @dataclass(slots=True)
+class Decodes:
+    """The batch's single-token sequences, attended in one call: built once per step, used by every layer."""
+
+    rows: Tensor  # [D] their tokens' positions in the batch
+    tables: Tensor  # [D, max_blocks] block ids, padded with block 0 (masked out by `lengths`)
+    lengths: Tensor  # [D] keys each one sees (its position + 1)
+
+
+@dataclass(slots=True)
 class Batch:
     tokens: Tensor  # [T] int64
     positions: Tensor  # [T] int64
     slots: Tensor  # [T] int64 cache slot of each new token
-    seqs: list[SeqSlice]
+    seqs: list[SeqSlice]  # sequences with several new tokens (prefill chunks), or all of them without `decodes`
     logits_index: Tensor  # [S] batch positions whose next-token logits are wanted
+    decodes: Decodes | None = None
 
 
 def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache, kernel: str) -> Tensor:
@@ -39,4 +49,8 @@ def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, c
     for s in batch.seqs:
         keys, values = cache.gather(layer, s.blocks, s.start + s.n)
         out[s.offset : s.offset + s.n] = attend(q[s.offset : s.offset + s.n], keys, values, s.start)
+    if (d := batch.decodes) is not None:
+        keys, values = cache.gather_padded(layer, d.tables)  # [D, max_blocks * block_size, kv_heads, d]
+        batched = reference.decode_attention if kernel == "reference" else cpu.decode_attention
+        out[d.rows] = batched(q[d.rows], keys, values, d.lengths)
     return out

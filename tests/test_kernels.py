@@ -1,0 +1,49 @@
+"""The fast kernels against the pure-torch reference ops."""
+
+import pytest
+import torch
+
+from quantkit.kernels import cpu, reference
+
+
+@pytest.mark.parametrize("group, sym", [(32, True), (64, False), (None, True), (None, False)])
+def test_int4_packed_matmul_matches_reference(group, sym):
+    gen = torch.Generator().manual_seed(0)
+    out_f, in_f = 96, 256
+    groups = 1 if group is None else in_f // group
+    q = torch.randint(-8, 8, (out_f, in_f), generator=gen, dtype=torch.int8)
+    scale = torch.rand(out_f, groups, generator=gen) * 0.05 + 0.01
+    zp = None if sym else torch.randint(-8, 8, (out_f, groups), generator=gen, dtype=torch.int8)
+    x = torch.randn(5, in_f, generator=gen)
+    packed, sz, g = cpu.repack_int4(q, scale, zp, group, torch.float32)
+    want = reference.dequant_linear(x, q, scale, zp)
+    got = cpu.int4_linear(x, packed, sz, g)
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()  # the op rounds activations to bf16
+
+
+def test_int8_packed_matmul_matches_reference():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(-128, 128, (64, 96), generator=gen, dtype=torch.int8)
+    scale = torch.rand(64, 1, generator=gen) * 0.01
+    x = torch.randn(3, 96, generator=gen)
+    want = reference.dequant_linear(x, q, scale, None)
+    assert torch.allclose(cpu.int8_linear(x, q, scale[:, 0]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_kernels_match_reference():
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, d = 6, 2, 16
+    k, v = torch.randn(40, kv_heads, d, generator=gen), torch.randn(40, kv_heads, d, generator=gen)
+    q = torch.randn(7, heads, d, generator=gen)
+    assert torch.allclose(cpu.attention(q, k, v, 33), reference.attention(q, k, v, 33), atol=1e-5)
+    lengths = torch.tensor([40, 3, 17])
+    kb, vb = torch.randn(3, 40, kv_heads, d, generator=gen), torch.randn(3, 40, kv_heads, d, generator=gen)
+    qd = torch.randn(3, heads, d, generator=gen)
+    assert torch.allclose(cpu.decode_attention(qd, kb, vb, lengths), reference.decode_attention(qd, kb, vb, lengths), atol=1e-5)
+
+
+def test_fp8_round_trip_saturates_and_keeps_precision():
+    x = torch.tensor([0.0, 1.0, -3.5, 1000.0, -1e6])
+    scale = torch.tensor([2.0])
+    back = reference.dequantize_fp8(reference.quantize_fp8(x, scale), scale, torch.float32)
+    assert back[:3].tolist() == [0.0, 1.0, -3.5] and back[3] == 896.0 and back[4] == -896.0
