@@ -36,6 +36,8 @@ def test_eval_runs_offline_and_keeps_every_item(tiny_dir, tmp_path, capsys):
     retrieval = [i for i in results["items"] if i["task"] == "retrieval"]
     assert len(retrieval) == 9 * 2 and all("output" in i["baseline"] and "correct" in i["quantized"] for i in retrieval)
     assert (tmp_path / "ev/report.md").read_text().startswith("# quantkit eval")
+    for png in ("retrieval.png", "kl.png"):
+        assert (tmp_path / "ev" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_eval_errors_are_one_line(tiny_dir, tmp_path, capsys):
