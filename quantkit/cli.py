@@ -162,7 +162,7 @@ def eval_(
     text: str = typer.Option("builtin", "--text", help="Held-out text for ppl/kl: builtin, a .txt/.jsonl/.parquet file, or a datasets name."),
     text_split: str = typer.Option("test", "--text-split", help="Split of a datasets --text."),
     text_column: str = typer.Option("text", "--text-column", help="Text column of a JSONL/parquet/datasets --text."),
-    backend: str = typer.Option("hf", "--backend", help="How the quantized model runs: hf (HF transformers) or endpoint (--endpoint URL)."),
+    backend: str = typer.Option("hf", "--backend", help="How the quantized model runs: hf (HF transformers), runtime (quantkit's engine) or endpoint (--endpoint URL)."),
     endpoint: str | None = typer.Option(None, "--endpoint", help="OpenAI-compatible base URL serving CKPT, e.g. http://127.0.0.1:8000/v1."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer key for --endpoint."),
     served_model: str | None = typer.Option(None, "--served-model-name", help="Model name at --endpoint.  [default: the first in GET /models]"),
@@ -181,10 +181,8 @@ def eval_(
     chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
     if bad := [t for t in chosen if t not in TASKS]:
         raise QuantkitError(f"--tasks: unknown task {bad[0]!r} (known: {', '.join(TASKS)})")
-    if backend == "runtime":
-        raise QuantkitError("--backend runtime: quantkit's decode runtime does not exist yet; use hf, or endpoint")
-    if backend not in ("hf", "endpoint"):
-        raise QuantkitError(f"--backend {backend}: use hf or endpoint")
+    if backend not in ("hf", "runtime", "endpoint"):
+        raise QuantkitError(f"--backend {backend}: use hf, runtime or endpoint")
     if backend == "endpoint":
         if not endpoint:
             raise QuantkitError("--backend endpoint needs --endpoint URL (e.g. http://127.0.0.1:8000/v1)")

@@ -134,3 +134,18 @@ def test_bfcl_data_runs_end_to_end(tiny_dir, tmp_path, capsys):
     code, _, err = run(capsys, "eval", str(tmp_path / "q"), "--tasks", "tool-use", "--tool-file", str(tmp_path / "none.jsonl"),
                        "--out", str(tmp_path / "ev2"))
     assert code == 2 and "no tool-use file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_runtime_backend_agrees_with_hf(tiny_dir, tmp_path, capsys):
+    """--backend runtime: the quantized model in quantkit's engine gives the perplexity HF gives it."""
+    code, _, err = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "q"), "-g", "32", "-q")
+    assert code == 0, err
+    summaries = {}
+    for backend in ("hf", "runtime"):
+        code, stdout, err = run(capsys, "eval", str(tmp_path / "q"), "--backend", backend, "--lengths", "128", "--limit", "2",
+                                "--out", str(tmp_path / f"ev-{backend}"), "--json")
+        assert code == 0, err
+        summaries[backend] = _summary(stdout)
+    assert set(summaries["runtime"]) == {"ppl", "kl", "retrieval", "tool-use"}
+    assert summaries["runtime"]["ppl"]["quantized"] == pytest.approx(summaries["hf"]["ppl"]["quantized"], rel=0.01)
+    assert summaries["runtime"]["ppl"]["baseline"] == summaries["hf"]["ppl"]["baseline"]

@@ -1,7 +1,8 @@
 """The one small interface evals talk to a model through: chat prompts, token counts, logits, greedy generation.
 
 `HFBackend` runs a dense or compressed-tensors checkpoint in HF transformers (loaded only when first
-asked for logits or text, so a fully cached baseline never loads); `EndpointBackend` sends the same
+asked for logits or text, so a fully cached baseline never loads); `RuntimeBackend` runs it in
+quantkit's own decode runtime; `EndpointBackend` sends the same
 prompts to any OpenAI-compatible server (vLLM, `quantkit serve`). Both format prompts with the model's
 own tokenizer and chat template, so the two backends see byte-identical prompts.
 """
@@ -114,6 +115,53 @@ class HFBackend(TokenizerMixin):
                 if on_item:
                     on_item()
         return out
+
+
+class RuntimeBackend(TokenizerMixin):
+    """quantkit's own decode runtime: greedy generation with continuous batching, logits from a prefill."""
+
+    kind = "runtime"
+
+    def __init__(self, path: Path, name: str, dtype: str = "bf16"):
+        from quantkit.runtime import EngineConfig, LLMEngine
+
+        self.name, self.path = name, path
+        self._load_tokenizer(path)
+        self.engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_memory=1 << 30), tokenizer=self.tokenizer)
+        self.context_length = self.engine.context_length
+
+    @property
+    def identity(self) -> dict:
+        from quantkit.eval.cache import model_hash
+
+        return {"model": model_hash(self.path), "backend": self.kind, "dtype": str(self.engine.dtype)}
+
+    def logits(self, ids: Tensor) -> Tensor:
+        """ids [b, seq] -> [b, seq, vocab] float32, one sequence at a time through the engine's prefill."""
+        from quantkit.runtime.layers.attention import Batch, SeqSlice
+
+        bs, out = self.engine.cfg.block_size, []
+        for row in ids:
+            n = len(row)
+            if -(-n // bs) > self.engine.cache.num_blocks:
+                raise QuantkitError(f"a row of {n} tokens does not fit the runtime's KV cache")
+            batch = Batch(row, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // bs)))], torch.arange(n))
+            out.append(self.engine.model(batch, self.engine.cache))
+        return torch.stack(out)
+
+    def generate(self, prompts: list[str], max_new_tokens: int, on_item=None) -> list[str]:
+        from quantkit.runtime import SamplingParams
+
+        params = SamplingParams(max_tokens=max_new_tokens)
+        ids = [self.engine.add_request(p, params) for p in prompts]
+        done: dict[str, str] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.id] = out.text
+                    if on_item:
+                        on_item()
+        return [done[i] for i in ids]
 
 
 class EndpointBackend(TokenizerMixin):

@@ -47,7 +47,7 @@ class EvalConfig:
     text_split: str = "test"
     text_column: str = "text"
     cache: bool = True  # reuse baseline results from earlier runs
-    backend: str = "hf"  # for the quantized model: "hf" or "endpoint"
+    backend: str = "hf"  # for the quantized model: "hf", "runtime" or "endpoint"
     endpoint: str | None = None
     api_key: str | None = None
     served_model: str | None = None
@@ -195,7 +195,7 @@ def _row(task: str, p) -> dict:
 
 def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
     """ckpt/baseline: resolved models (objects with .path and .spec)."""
-    from quantkit.eval.backends import EndpointBackend, HFBackend
+    from quantkit.eval.backends import EndpointBackend, HFBackend, RuntimeBackend
 
     fields = {k: v for k, v in _fields(cfg).items() if k != "api_key"}
     report = EvalReport(str(ckpt.spec), str(baseline.spec), {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
@@ -205,6 +205,8 @@ def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
         base = HFBackend(baseline.path, "baseline")
         if cfg.backend == "endpoint":
             quant = EndpointBackend(cfg.endpoint, ckpt.path, "quantized", cfg.served_model, cfg.api_key)
+        elif cfg.backend == "runtime":
+            quant = RuntimeBackend(ckpt.path, "quantized")
         else:
             quant = HFBackend(ckpt.path, "quantized")
     steps = [("distribution", ("ppl" in cfg.tasks or "kl" in cfg.tasks), run_distribution),
