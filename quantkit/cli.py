@@ -232,7 +232,7 @@ def bench(
     output_len: int = typer.Option(64, "--output-len", help="Generated tokens per request (EOS ignored)."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, bf16, fp16, fp32."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto, fp8, bf16, fp16, fp32."),
-    kernel: str = typer.Option("packed", "--kernel", help="packed (int4/int8 ops), dense (dequantized at load) or reference."),
+    kernel: str = typer.Option("auto", "--kernel", help="auto (triton on CUDA, packed on CPU), packed, dense, reference or triton."),
     hf: bool = typer.Option(False, "--hf", help="Also run HF transformers generate on the same workload."),
     llama_cpp: Path | None = typer.Option(None, "--llama-cpp", help="Also run this GGUF in llama.cpp (llama-cpp-python)."),
     as_json: bool = JSON,

@@ -21,6 +21,7 @@ from quantkit import QuantkitError
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.kv_cache import CacheSpec, KVCache
 from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
+from quantkit.runtime.layers.linear import KERNELS
 from quantkit.runtime.models.llama import LlamaModel
 from quantkit.runtime.sampler import Sample, SamplingParams, sample
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
@@ -38,8 +39,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefix_caching: bool = True
-    kernel: str = "packed"  # packed | dense | reference
-    device: str = "cpu"
+    kernel: str = "auto"  # auto (triton on CUDA, packed on CPU) | packed | dense | reference | triton
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
 
 
 @dataclass(slots=True)
@@ -58,6 +59,12 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, path: str | Path, cfg: EngineConfig | None = None, tokenizer=None):
         self.cfg = cfg = cfg or EngineConfig()
+        if cfg.device == "auto":
+            cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if cfg.kernel == "auto":
+            cfg.kernel = "triton" if cfg.device == "cuda" else "packed"
+        if cfg.kernel not in KERNELS:
+            raise QuantkitError(f"kernel {cfg.kernel}: use auto or one of {', '.join(KERNELS)}")
         self.path = Path(path)
         hf = json.loads((self.path / "config.json").read_text())
         self.dtype = _compute_dtype(cfg.dtype, hf)

@@ -2,7 +2,9 @@
 
 Kernels: "reference" dequantizes on every call (the oracle), "dense" dequantizes once at load (fast for
 large batches, no memory saving), "packed" keeps int4/int8 weights packed and uses PyTorch's CPU integer
-matmuls where the shape allows, the reference otherwise.
+matmuls where the shape allows, the reference otherwise; "triton" (GPU) keeps the checkpoint's int32
+packing and dequantizes inside a Triton GEMM, switching to a dense copy above `TRITON_DENSE_ROWS` rows
+where the INT kernel loses to cuBLAS.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from quantkit.formats.pack import pack_int32
 from quantkit.kernels import cpu, reference
 from quantkit.quant.qparams import dequantize
 
-KERNELS = ("packed", "dense", "reference")
+KERNELS = ("packed", "dense", "reference", "triton")
+TRITON_DENSE_ROWS = 64  # above this many rows a per-call dequantised weight and cuBLAS beat the INT GEMM
 
 
 @dataclass(slots=True)
@@ -62,6 +66,10 @@ class Linear(nn.Module):
         out_features, in_features = weight.shape
         if kernel == "reference":
             self.mode, self.qw = "reference", weight
+        elif kernel == "triton":
+            self.mode, self.qw = "triton", weight
+            self.words = pack_int32(weight.q, weight.bits, dim=1)  # [out, in * bits / 32]
+            self.scale_t = weight.scale.to(dtype).contiguous()
         elif kernel == "packed" and weight.bits == 4 and cpu.int4_supported(out_features, in_features, weight.group_size):
             self.mode = "int4"
             self.packed, self.scales_zeros, self.group = cpu.repack_int4(weight.q, weight.scale, weight.zero_point,
@@ -76,8 +84,25 @@ class Linear(nn.Module):
             y = cpu.int4_linear(x, self.packed, self.scales_zeros, self.group)
         elif self.mode == "int8":
             y = cpu.int8_linear(x, self.q8, self.scale8)
+        elif self.mode == "triton" and x.shape[0] > TRITON_DENSE_ROWS:
+            y = x @ self.qw.dequantize(x.dtype).T
+        elif self.mode == "triton":
+            from quantkit.kernels.triton.gemm import wqa16_linear
+
+            y = wqa16_linear(x, self.words, self.scale_t, self.qw.zero_point, self.qw.bits, self.qw.shape[1])
         elif self.mode == "reference":
             y = reference.dequant_linear(x, self.qw.q, self.qw.scale, self.qw.zero_point)
         else:
             y = x @ self.weight.T
         return y if self.bias is None else y + self.bias
+
+
+def to_device(module: nn.Module, device: str) -> None:
+    """Move the plain tensor attributes (and quantized weights) of every submodule to `device`."""
+    for m in module.modules():
+        for name, value in list(vars(m).items()):
+            if isinstance(value, Tensor):
+                setattr(m, name, value.to(device))
+            elif isinstance(value, QuantWeight):
+                zp = None if value.zero_point is None else value.zero_point.to(device)
+                setattr(m, name, QuantWeight(value.q.to(device), value.scale.to(device), zp, value.bits, value.group_size))

@@ -18,7 +18,7 @@ from quantkit.formats.load import PACKED, quant_config_of, read_tensors, scheme_
 from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch, paged_attention
 from quantkit.runtime.layers.basic import RMSNorm, Rotary, apply_rotary
-from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse
+from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse, to_device
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -119,6 +119,9 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed if head is None or cfg.tie_word_embeddings else head.to(dtype)
         self.rotary = Rotary(AutoConfig.from_pretrained(path), dtype, device)
         self.kv_scales = self._kv_scales(w)
+        if device != "cpu":
+            to_device(self, device)
+            self.kv_scales = None if self.kv_scales is None else [(k.to(device), v.to(device)) for k, v in self.kv_scales]
 
     def _kv_scales(self, w: Weights) -> list[tuple[Tensor, Tensor]] | None:
         names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(self.cfg.num_layers)]
