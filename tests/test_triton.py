@@ -9,10 +9,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # no GPU: Triton's interpreter runs the kernels on CPU tensors
 triton = pytest.importorskip("triton")
 
-from quantkit.formats.pack import pack_int32  # noqa: E402
-from quantkit.kernels import reference  # noqa: E402
-from quantkit.kernels.triton.attention import paged_decode_attention, store_kv  # noqa: E402
-from quantkit.kernels.triton.gemm import wqa16_linear  # noqa: E402
+from quantkit.formats.pack import pack_int32
+from quantkit.kernels import reference
+from quantkit.kernels.triton.attention import paged_decode_attention, store_kv
+from quantkit.kernels.triton.gemm import wqa16_linear
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

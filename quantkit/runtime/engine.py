@@ -151,7 +151,7 @@ class LLMEngine:
             if start + n == len(seq):  # its last known token is in: sample the next one
                 wanted.append(offset + n - 1)
                 wants.append(seq)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.cfg.device)  # noqa: E731
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.cfg.device)
         decodes = None
         if decode_rows:
             width = max(map(len, decode_tables))
@@ -176,7 +176,7 @@ class LLMEngine:
         if reason:
             self.scheduler.finish(seq, reason)
             self.seqs.pop(seq.id, None)
-        delta = seq.text[len(before):] if seq.text.startswith(before) else seq.text
+        delta = seq.text.removeprefix(before)
         return RequestOutput(seq.id, list(seq.output), [s.token], seq.text, delta, reason is not None, reason,
                              len(seq.prompt), list(seq.samples))
 

@@ -27,7 +27,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, ks_ptr, vs_ptr,
     m_i = tl.full((), float("-inf"), tl.float32)
     l_i = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
-    for b in range(0, tl.cdiv(length, BLOCK_SIZE)):
+    for b in range(tl.cdiv(length, BLOCK_SIZE)):
         block = tl.load(tables_ptr + s * stride_ts + b)
         pos = b * BLOCK_SIZE + t
         valid = pos < length

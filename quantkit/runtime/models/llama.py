@@ -14,7 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from quantkit import QuantkitError
-from quantkit.formats.load import PACKED, quant_config_of, read_tensors, scheme_for, unpacked_module
+from quantkit.formats.load import (
+    PACKED,
+    quant_config_of,
+    read_tensors,
+    scheme_for,
+    unpacked_module,
+)
 from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch, paged_attention
 from quantkit.runtime.layers.basic import RMSNorm, Rotary, apply_rotary
