@@ -58,6 +58,7 @@ class Scheduler:
             self.blocks.match_prefix(seq)
             n = min(len(seq) - seq.computed, budget)
             if not self.blocks.ensure(seq, seq.computed + n):
+                self.blocks.free(seq)  # a waiting sequence holds no blocks (its cached prefix stays matchable)
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
