@@ -241,7 +241,7 @@ def bench(
 ) -> None:
     """Measure generation throughput and latency: quantkit's engine, side by side with HF and llama.cpp."""
     from quantkit import QuantkitError
-    from quantkit.bench.offline import Workload, run_engine, run_hf, run_llama_cpp
+    from quantkit.bench.offline import Workload, kv_tokens_per_gib, run_engine, run_hf, run_llama_cpp
     from quantkit.models import resolve
     from quantkit.runtime import EngineConfig, LLMEngine
 
@@ -255,7 +255,7 @@ def bench(
         raise QuantkitError("--batch-sizes, --input-len must be >= 1 and --output-len >= 2")
     ui = Reporter(quiet or as_json)
     path = resolve(offline, status=ui.note).path
-    results = []
+    results, kv = [], {}
     for b in sizes:
         w = Workload(b, input_len, output_len)
         with ui.step(f"quantkit engine, batch {b}"):
@@ -263,6 +263,7 @@ def bench(
                                                   max_num_batched_tokens=max(2048, input_len)))
             run_engine(engine, Workload(1, 8, 2))  # warm-up
             results.append(run_engine(engine, w))
+            kv = kv_tokens_per_gib(engine)
         if hf:
             with ui.step(f"HF generate, batch {b}"):
                 results.append(run_hf(path, w, engine.dtype, engine.tokenizer))
@@ -270,18 +271,19 @@ def bench(
             with ui.step(f"llama.cpp, batch {b} (one request at a time)"):
                 results.append(run_llama_cpp(llama_cpp, w, engine.tokenizer, torch_threads()))
     if as_json:
-        print(json.dumps({"model": offline, "results": [r.to_dict() for r in results]}, indent=2))
+        print(json.dumps({"model": offline, "kv_tokens_per_gib": kv, "results": [r.to_dict() for r in results]}, indent=2))
         return
     if quiet:
         return
-    table = Table("system", "batch", "in", "out", "time", "TTFT", "output tok/s", "decode tok/s", "vs quantkit",
+    table = Table("system", "batch", "in", "out", "time", "TTFT", "prefill tok/s", "output tok/s", "decode tok/s", "vs quantkit",
                   title=f"{offline}: offline generation", title_justify="left")
     ours = {r.batch: r for r in results if r.system == "quantkit"}
     for r in results:
         ratio = r.output_tok_s / ours[r.batch].output_tok_s
         table.add_row(r.system, str(r.batch), str(r.input_len), str(r.output_len), f"{r.seconds:.2f} s", f"{r.ttft_s * 1e3:.0f} ms",
-                      f"{r.output_tok_s:.1f}", f"{r.decode_tok_s:.1f}", f"{ratio:.2f}x")
+                      f"{r.prefill_tok_s:.0f}", f"{r.output_tok_s:.1f}", f"{r.decode_tok_s:.1f}", f"{ratio:.2f}x")
     stdout.print(table)
+    stdout.print(f"KV cache tokens per GiB: {kv['fp16']:,} at fp16, {kv['fp8']:,} at FP8")
 
 
 def torch_threads() -> int:

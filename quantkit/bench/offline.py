@@ -34,6 +34,7 @@ class Result:
     ttft_s: float  # mean time to first token
     output_tok_s: float  # all output tokens / seconds
     decode_tok_s: float  # output tokens after the first of each request / time after the last first token
+    prefill_tok_s: float  # prompt tokens / time until every request had its first token
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,7 +66,7 @@ def run_engine(engine, w: Workload, label: str = "quantkit") -> Result:
     last_first = max(first.values())
     decode = w.batch * (w.output_len - 1) / max(total - last_first, 1e-9)
     return Result(label, w.batch, w.input_len, w.output_len, total, sum(first.values()) / len(first),
-                  w.batch * w.output_len / total, decode)
+                  w.batch * w.output_len / total, decode, w.batch * w.input_len / last_first)
 
 
 def run_hf(path: Path, w: Workload, dtype: torch.dtype, tokenizer) -> Result:
@@ -88,7 +89,7 @@ def run_hf(path: Path, w: Workload, dtype: torch.dtype, tokenizer) -> Result:
         model.generate(ids, max_new_tokens=w.output_len, min_new_tokens=w.output_len, **kwargs)
     total = time.perf_counter() - start
     return Result("hf generate", w.batch, w.input_len, w.output_len, total, ttft, w.batch * w.output_len / total,
-                  w.batch * (w.output_len - 1) / max(total - ttft, 1e-9))
+                  w.batch * (w.output_len - 1) / max(total - ttft, 1e-9), w.batch * w.input_len / ttft)
 
 
 def run_llama_cpp(gguf: Path, w: Workload, tokenizer, threads: int) -> Result:
@@ -110,4 +111,16 @@ def run_llama_cpp(gguf: Path, w: Workload, tokenizer, threads: int) -> Result:
                 break
     total = time.perf_counter() - start
     return Result("llama.cpp", w.batch, w.input_len, w.output_len, total, sum(ttfts) / len(ttfts),
-                  w.batch * w.output_len / total, w.batch * (w.output_len - 1) / max(total - sum(ttfts), 1e-9))
+                  w.batch * w.output_len / total, w.batch * (w.output_len - 1) / max(total - sum(ttfts), 1e-9),
+                  w.batch * w.input_len / sum(ttfts))
+
+
+def kv_tokens_per_gib(engine) -> dict[str, int]:
+    """How many tokens of KV cache 1 GiB holds for this model, by cache dtype."""
+    from dataclasses import replace
+
+    import torch
+
+    spec = engine.cache.spec
+    return {name: replace(spec, dtype=dt).blocks_for(1 << 30) * spec.block_size
+            for name, dt in (("fp16", torch.float16), ("fp8", torch.float8_e4m3fn))}
