@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # before anything imports triton: its kernels then run in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
