@@ -21,15 +21,9 @@ import torch
 
 
 def logits_per_row(engine, rows: torch.Tensor) -> list[torch.Tensor]:
-    from quantkit.runtime.layers.attention import Batch, SeqSlice
+    from quantkit.runtime.layers.attention import Batch
 
-    out = []
-    bs = engine.cfg.block_size
-    for row in rows:
-        n = len(row)
-        batch = Batch(row, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // bs)))], torch.arange(n))
-        out.append(engine.model(batch, engine.cache).log_softmax(-1))
-    return out
+    return [engine.model(Batch.single(row, engine.cfg.block_size, all_logits=True), engine.cache).log_softmax(-1) for row in rows]
 
 
 def main() -> None:

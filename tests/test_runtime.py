@@ -94,11 +94,9 @@ def test_abort_frees_blocks(tiny_dir):
 
 def prefill_logits(engine: LLMEngine, prompt: torch.Tensor) -> torch.Tensor:
     """The engine's next-token logits [vocab] after prefilling `prompt` [n] into blocks 0, 1, ..."""
-    from quantkit.runtime.layers.attention import Batch, SeqSlice
+    from quantkit.runtime.layers.attention import Batch
 
-    n, bs = len(prompt), engine.cfg.block_size
-    batch = Batch(prompt, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // bs)))], torch.tensor([n - 1]))
-    return engine.model(batch, engine.cache)[0]
+    return engine.model(Batch.single(prompt, engine.cfg.block_size), engine.cache)[0]
 
 
 def test_quantized_logits_match_hf_loading_the_same_checkpoint(tiny_dir, tmp_path, capsys):

@@ -138,15 +138,13 @@ class RuntimeBackend(TokenizerMixin):
 
     def logits(self, ids: Tensor) -> Tensor:
         """ids [b, seq] -> [b, seq, vocab] float32, one sequence at a time through the engine's prefill."""
-        from quantkit.runtime.layers.attention import Batch, SeqSlice
+        from quantkit.runtime.layers.attention import Batch
 
         bs, out = self.engine.cfg.block_size, []
         for row in ids:
-            n = len(row)
-            if -(-n // bs) > self.engine.cache.num_blocks:
-                raise QuantkitError(f"a row of {n} tokens does not fit the runtime's KV cache")
-            batch = Batch(row, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // bs)))], torch.arange(n))
-            out.append(self.engine.model(batch, self.engine.cache))
+            if -(-len(row) // bs) > self.engine.cache.num_blocks:
+                raise QuantkitError(f"a row of {len(row)} tokens does not fit the runtime's KV cache")
+            out.append(self.engine.model(Batch.single(row, bs, all_logits=True), self.engine.cache))
         return torch.stack(out)
 
     def generate(self, prompts: list[str], max_new_tokens: int, on_item=None) -> list[str]:

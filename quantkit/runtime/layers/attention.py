@@ -40,6 +40,14 @@ class Batch:
     logits_index: Tensor  # [S] batch positions whose next-token logits are wanted
     decodes: Decodes | None = None
 
+    @classmethod
+    def single(cls, tokens: Tensor, block_size: int, all_logits: bool = False) -> Batch:
+        """One sequence's tokens [n] prefilled into blocks 0, 1, ...: logits for a scoring pass (perplexity, KL)
+        outside the scheduler; the last position's, or every position's with `all_logits`."""
+        n = len(tokens)
+        wanted = torch.arange(n) if all_logits else torch.tensor([n - 1])
+        return cls(tokens, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // block_size)))], wanted)
+
 
 def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache, kernel: str) -> Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> [T, heads, d]."""
