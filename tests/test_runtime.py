@@ -193,3 +193,12 @@ def test_smollm2_greedy_matches_hf_under_continuous_batching(smollm2_dir):
     same = sum(g == w for g, w in zip(got, want))
     assert same == 20, f"{same}/20 prompts identical"
     assert engine.blocks.num_used == 0
+
+
+def test_bench_and_engine_errors_are_one_line(tiny_dir, capsys):
+    for args, words in [(["--batch-sizes", "x"], "--batch-sizes"), (["--kernel", "fast"], "kernel fast"),
+                        (["--dtype", "fp64"], "dtype fp64"), (["--kv-cache-dtype", "int2"], "kv cache dtype int2")]:
+        code, _, err = run_cli(capsys, "bench", "--offline", str(tiny_dir), "--input-len", "8", "--output-len", "2", *args)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli(capsys, "bench", "--offline", "no/such-model-dir-here")
+    assert code == 2 and len(err.strip().splitlines()) == 1
