@@ -261,6 +261,7 @@ def bench(
         with ui.step(f"quantkit engine, batch {b}"):
             engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
                                                   max_num_batched_tokens=max(2048, input_len)))
+            ui.note(engine.describe())
             run_engine(engine, Workload(1, 8, 2))  # warm-up
             results.append(run_engine(engine, w))
             kv = kv_tokens_per_gib(engine)

@@ -155,7 +155,8 @@ def test_sampling_options(tiny_dir):
 
 
 def test_bad_requests_are_clear_errors(tiny_dir):
-    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32"))
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", kv_cache_memory=1 << 20))
+    assert engine.describe().startswith(f"KV cache: {engine.cache.tokens:,} tokens (") and "float32, 1 MiB" in engine.describe()
     with pytest.raises(QuantkitError, match="does not fit"):
         engine.add_request([5] * 300)
     with pytest.raises(QuantkitError, match="top_p"):

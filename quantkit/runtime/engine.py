@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -84,6 +85,14 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.steps = 0
         self._ids = itertools.count()
+        logging.getLogger("quantkit.runtime").info(self.describe())
+
+    def describe(self) -> str:
+        """What fits: the KV cache's size in tokens, blocks, dtype and bytes (reported at start)."""
+        spec = self.cache.spec
+        dtype = "fp8 e4m3" if self.cache.fp8 else str(spec.dtype).removeprefix("torch.")
+        return (f"KV cache: {self.cache.tokens:,} tokens ({self.cache.num_blocks:,} blocks of {spec.block_size}, {dtype}, "
+                f"{self.cache.num_blocks * spec.bytes_per_block / 2**20:,.0f} MiB); kernels: {self.cfg.kernel} on {self.cfg.device}")
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
