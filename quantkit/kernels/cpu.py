@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from quantkit.formats.pack import unpack_int4_rows
+
 INT4_GROUPS = (256, 128, 64, 32)
 
 
@@ -43,6 +45,18 @@ def repack_int4(q: Tensor, scale: Tensor, zero_point: Tensor | None, group_size:
 def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
     """x [t, in] -> [t, out]."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_zeros)
+
+
+def dequant_int4(words: Tensor, scale: Tensor, zero_point: Tensor | None, in_features: int, dtype: torch.dtype) -> Tensor:
+    """The dense weight [out, in] in `dtype` from the checkpoint's int32 packing: for matmuls with many rows,
+    where a dense GEMM beats the int4 kernel. (q - zp) is exact in any float dtype and the product with the
+    scale is rounded once, so this equals the float32 reference rounded to `dtype`."""
+    q = unpack_int4_rows(words, in_features).to(dtype)  # [out, in]
+    out_features, groups = scale.shape
+    g = q.view(out_features, groups, -1)
+    if zero_point is not None:
+        g = g - zero_point.to(dtype).unsqueeze(-1)
+    return (g * scale.to(dtype).unsqueeze(-1)).view(out_features, in_features)
 
 
 def int8_supported(group_size: int | None, symmetric: bool) -> bool:

@@ -20,7 +20,7 @@ from quantkit.quant.qparams import dequantize
 
 KERNELS = ("packed", "dense", "reference", "triton")
 TRITON_DENSE_ROWS = 64  # above this many rows a per-call dequantised weight and cuBLAS beat the INT GEMM
-PACKED_MAX_ROWS = 32  # CPU: PyTorch's int4 kernel costs grow with rows; above this, dequantise and use a dense GEMM
+PACKED_MAX_ROWS = 32  # CPU: PyTorch's int4 kernel costs grow with rows; above this, dequantise per call and use a dense GEMM
 
 
 @dataclass(slots=True)
@@ -72,9 +72,11 @@ class Linear(nn.Module):
             self.words = pack_int32(weight.q, weight.bits, dim=1)  # [out, in * bits / 32]
             self.scale_t = weight.scale.to(dtype).contiguous()
         elif kernel == "packed" and weight.bits == 4 and cpu.int4_supported(out_features, in_features, weight.group_size):
-            self.mode, self.qw = "int4", weight  # q kept as int8 for prefill-sized batches (see PACKED_MAX_ROWS)
+            self.mode = "int4"
             self.packed, self.scales_zeros, self.group = cpu.repack_int4(weight.q, weight.scale, weight.zero_point,
                                                                          weight.group_size, dtype)
+            # for prefill-sized batches (see PACKED_MAX_ROWS): the checkpoint's own 4-bit packing, unpacked per call
+            self.words, self.scale_t, self.zero_point = pack_int32(weight.q, 4, dim=1), weight.scale.to(dtype), weight.zero_point
         elif kernel == "packed" and weight.bits == 8 and cpu.int8_supported(weight.group_size, weight.zero_point is None):
             self.mode, self.q8, self.scale8 = "int8", weight.q.contiguous(), weight.scale[:, 0].to(dtype).contiguous()
         else:
@@ -82,7 +84,7 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x [t, in] -> [t, out]
         if self.mode == "int4" and x.shape[0] > PACKED_MAX_ROWS:
-            y = x @ self.qw.dequantize(x.dtype).T
+            y = x @ cpu.dequant_int4(self.words, self.scale_t, self.zero_point, x.shape[1], x.dtype).T
         elif self.mode == "int4":
             y = cpu.int4_linear(x, self.packed, self.scales_zeros, self.group)
         elif self.mode == "int8":
