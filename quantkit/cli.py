@@ -241,7 +241,14 @@ def bench(
 ) -> None:
     """Measure generation throughput and latency: quantkit's engine, side by side with HF and llama.cpp."""
     from quantkit import QuantkitError
-    from quantkit.bench.offline import Workload, kv_tokens_per_gib, run_engine, run_hf, run_llama_cpp
+    from quantkit.bench.offline import (
+        Workload,
+        kv_tokens_per_gib,
+        prompts_for,
+        run_engine,
+        run_hf,
+        run_llama_cpp,
+    )
     from quantkit.models import resolve
     from quantkit.runtime import EngineConfig, LLMEngine
 
@@ -262,15 +269,16 @@ def bench(
             engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
                                                   max_num_batched_tokens=max(2048, input_len)))
             ui.note(engine.describe())
-            run_engine(engine, Workload(1, 8, 2))  # warm-up
-            results.append(run_engine(engine, w))
+            prompts = prompts_for(engine.tokenizer, w)  # the same token ids for every system
+            run_engine(engine, Workload(1, 8, 2), [prompts[0][:8]])  # warm-up
+            results.append(run_engine(engine, w, prompts))
             kv = kv_tokens_per_gib(engine)
         if hf:
             with ui.step(f"HF generate, batch {b}"):
-                results.append(run_hf(path, w, engine.dtype, engine.tokenizer))
+                results.append(run_hf(path, w, prompts, engine.dtype, engine.tokenizer))
         if llama_cpp:
             with ui.step(f"llama.cpp, batch {b} (one request at a time)"):
-                results.append(run_llama_cpp(llama_cpp, w, engine.tokenizer, torch_threads()))
+                results.append(run_llama_cpp(llama_cpp, w, prompts, torch_threads()))
     if as_json:
         print(json.dumps({"model": offline, "kv_tokens_per_gib": kv, "results": [r.to_dict() for r in results]}, indent=2))
         return

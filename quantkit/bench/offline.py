@@ -50,11 +50,10 @@ def prompts_for(tokenizer, w: Workload) -> list[list[int]]:
     return [ids[s : s + w.input_len] for s in starts]
 
 
-def run_engine(engine, w: Workload, label: str = "quantkit") -> Result:
+def run_engine(engine, w: Workload, prompts: list[list[int]], label: str = "quantkit") -> Result:
     from quantkit.runtime.sampler import SamplingParams
 
     params = SamplingParams(max_tokens=w.output_len, ignore_eos=True)
-    prompts = prompts_for(engine.tokenizer, w)
     start = time.perf_counter()
     first: dict[str, float] = {}
     for p in prompts:
@@ -69,7 +68,7 @@ def run_engine(engine, w: Workload, label: str = "quantkit") -> Result:
                   w.batch * w.output_len / total, decode, w.batch * w.input_len / last_first)
 
 
-def run_hf(path: Path, w: Workload, dtype: torch.dtype, tokenizer) -> Result:
+def run_hf(path: Path, w: Workload, prompts: list[list[int]], dtype: torch.dtype, tokenizer) -> Result:
     """HF `generate` on the same prompts as one left-padded batch, greedy, exactly output_len tokens."""
     from transformers import AutoModelForCausalLM
 
@@ -78,7 +77,7 @@ def run_hf(path: Path, w: Workload, dtype: torch.dtype, tokenizer) -> Result:
     with _quiet_transformers(), _no_tqdm():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         model(input_ids=torch.zeros(1, 1, dtype=torch.long))  # compressed-tensors decompresses on the first call
-    ids = torch.tensor(prompts_for(tokenizer, w))
+    ids = torch.tensor(prompts)
     kwargs = dict(do_sample=False, pad_token_id=tokenizer.eos_token_id or 0)
     start = time.perf_counter()
     with torch.no_grad():
@@ -92,14 +91,13 @@ def run_hf(path: Path, w: Workload, dtype: torch.dtype, tokenizer) -> Result:
                   w.batch * (w.output_len - 1) / max(total - ttft, 1e-9), w.batch * w.input_len / ttft)
 
 
-def run_llama_cpp(gguf: Path, w: Workload, tokenizer, threads: int) -> Result:
+def run_llama_cpp(gguf: Path, w: Workload, prompts: list[list[int]], threads: int) -> Result:
     """llama.cpp through llama-cpp-python: one sequence at a time (its Python API does not batch requests)."""
     try:
         from llama_cpp import Llama
     except ImportError:
         raise QuantkitError("--llama-cpp needs llama-cpp-python (pip install llama-cpp-python)") from None
     llm = Llama(str(gguf), n_ctx=w.input_len + w.output_len + 8, n_threads=threads, verbose=False)
-    prompts = prompts_for(tokenizer, w)
     ttfts, start = [], time.perf_counter()
     for p in prompts:
         t0 = time.perf_counter()

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from quantkit.formats.save import atomic_file
 from quantkit.models import cache_dir, source_hash, weight_files
 
 VERSION = 1
@@ -35,7 +35,7 @@ def model_hash(path: Path) -> str:
         return known[stamp]
     digest = source_hash(files)
     known[stamp] = digest
-    _atomic(index, lambda tmp: tmp.write_text(json.dumps(known)))
+    atomic_file(index, lambda tmp: tmp.write_text(json.dumps(known)))
     return digest
 
 
@@ -44,11 +44,11 @@ def key(**parts: Any) -> str:
     return hashlib.sha256(json.dumps({"version": VERSION, **parts}, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def digest_of(values: list) -> str:
-    """Short identity of a long input (prompts, token rows) for a key."""
+def digest_of(texts: list[str]) -> str:
+    """Short identity of a long input (the prompts) for a key."""
     h = hashlib.sha256()
-    for v in values:
-        h.update(v.encode() if isinstance(v, str) else v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    for t in texts:
+        h.update(t.encode())
         h.update(b"\0")
     return h.hexdigest()
 
@@ -56,8 +56,8 @@ def digest_of(values: list) -> str:
 class ResultCache:
     """get/put of torch-serializable results under `root`; disabled, it stores nothing and finds nothing."""
 
-    def __init__(self, root: Path | None = None, enabled: bool = True):
-        self.root = root or cache_dir() / "eval" / "results"
+    def __init__(self, enabled: bool = True):
+        self.root = cache_dir() / "eval" / "results"
         self.enabled = enabled
         self.hits: list[str] = []
 
@@ -74,11 +74,4 @@ class ResultCache:
 
     def put(self, k: str, value: Any) -> None:
         if self.enabled:
-            _atomic(self.root / f"{k}.pt", lambda tmp: torch.save(value, tmp))
-
-
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    tmp.replace(path)
+            atomic_file(self.root / f"{k}.pt", lambda tmp: torch.save(value, tmp))

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from quantkit.eval.runner import EvalReport
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
+from quantkit.formats.save import atomic_file
 
 
 def fmt(row: dict, key: str) -> str:
@@ -85,6 +79,7 @@ def plots(report: EvalReport, out: Path) -> list[str]:
 
 def write(report: EvalReport, out: Path) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "results.json", json.dumps(report.to_dict(), indent=1) + "\n")
-    _atomic_write(out / "report.md", markdown(report))
+    results = json.dumps(report.to_dict(), indent=1) + "\n"
+    atomic_file(out / "results.json", lambda tmp: tmp.write_text(results))
+    atomic_file(out / "report.md", lambda tmp: tmp.write_text(markdown(report)))
     return ["results.json", "report.md", *plots(report, out)]

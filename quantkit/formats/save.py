@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -182,6 +182,14 @@ class ShardWriter:
             index = {"metadata": {"total_size": sum(b for *_, b in self.parts)}, "weight_map": weight_map}
             (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         return names
+
+
+def atomic_file(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` to a temporary sibling, then rename it over `path`: readers see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    tmp.replace(path)
 
 
 @contextmanager

@@ -57,12 +57,8 @@ class KVCache:
 
     def gather(self, layer: int, blocks: Tensor, length: int) -> tuple[Tensor, Tensor]:
         """One sequence's first `length` keys and values [length, kv_heads, d], in the compute dtype."""
-        k = self.k[layer][blocks].view(-1, self.spec.kv_heads, self.spec.head_dim)[:length]
-        v = self.v[layer][blocks].view(-1, self.spec.kv_heads, self.spec.head_dim)[:length]
-        if self.fp8:
-            ks, vs = self._scales(layer)
-            return reference.dequantize_fp8(k, ks, self.compute_dtype), reference.dequantize_fp8(v, vs, self.compute_dtype)
-        return k, v
+        k, v = self.gather_padded(layer, blocks.unsqueeze(0))
+        return k[0, :length], v[0, :length]
 
     def gather_padded(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
         """Several sequences' keys and values [S, blocks * block_size, kv_heads, d] from block tables [S, blocks]."""

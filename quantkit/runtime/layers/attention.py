@@ -50,34 +50,29 @@ class Batch:
 
 
 def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache, kernel: str) -> Tensor:
-    """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> [T, heads, d]."""
+    """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> [T, heads, d].
+
+    Prefill chunks gather their context and attend with SDPA (or the reference); decodes attend all at once,
+    on the Triton path reading the paged blocks in place (after a store that quantises on write)."""
     if kernel == "triton":
-        return _triton_attention(layer, q, k, v, batch, cache)
-    cache.store(layer, batch.slots, k, v)
+        from quantkit.kernels.triton.attention import paged_decode_attention, store_kv
+
+        scales = cache.scales[layer] if cache.fp8 else (None, None)
+        store_kv(k, cache.k[layer], batch.slots, scales[0])
+        store_kv(v, cache.v[layer], batch.slots, scales[1])
+    else:
+        cache.store(layer, batch.slots, k, v)
     attend = reference.attention if kernel == "reference" else cpu.attention
     out = torch.empty_like(q)
     for s in batch.seqs:
         keys, values = cache.gather(layer, s.blocks, s.start + s.n)
         out[s.offset : s.offset + s.n] = attend(q[s.offset : s.offset + s.n], keys, values, s.start)
-    if (d := batch.decodes) is not None:
+    if (d := batch.decodes) is None:
+        return out
+    if kernel == "triton":
+        out[d.rows] = paged_decode_attention(q[d.rows], cache.k[layer], cache.v[layer], d.tables, d.lengths, *scales)
+    else:
         keys, values = cache.gather_padded(layer, d.tables)  # [D, max_blocks * block_size, kv_heads, d]
         batched = reference.decode_attention if kernel == "reference" else cpu.decode_attention
         out[d.rows] = batched(q[d.rows], keys, values, d.lengths)
-    return out
-
-
-def _triton_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache) -> Tensor:
-    """GPU path: the KV store quantises on write and decode reads the paged blocks in place; prefill chunks
-    gather their context and use PyTorch's SDPA."""
-    from quantkit.kernels.triton.attention import paged_decode_attention, store_kv
-
-    ks, vs = cache.scales[layer] if cache.fp8 else (None, None)
-    store_kv(k, cache.k[layer], batch.slots, ks)
-    store_kv(v, cache.v[layer], batch.slots, vs)
-    out = torch.empty_like(q)
-    for s in batch.seqs:
-        keys, values = cache.gather(layer, s.blocks, s.start + s.n)
-        out[s.offset : s.offset + s.n] = cpu.attention(q[s.offset : s.offset + s.n], keys, values, s.start)
-    if (d := batch.decodes) is not None:
-        out[d.rows] = paged_decode_attention(q[d.rows], cache.k[layer], cache.v[layer], d.tables, d.lengths, ks, vs)
     return out
