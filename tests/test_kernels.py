@@ -49,6 +49,14 @@ def test_fp8_round_trip_saturates_and_keeps_precision():
     assert back[:3].tolist() == [0.0, 1.0, -3.5] and back[3] == 896.0 and back[4] == -896.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fast_fp8_dequant_equals_reference_for_every_code(dtype):
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[codes.float().isfinite()].view(-1, 1, 1).expand(-1, 3, 4)  # [254, kv_heads, d], subnormals included
+    for scale in (torch.tensor([0.0371]), torch.tensor([[0.5], [3e-3], [7.0]])):  # per tensor, per KV head
+        assert torch.equal(cpu.dequantize_fp8(codes, scale, dtype), reference.dequantize_fp8(codes, scale, dtype))
+
+
 @pytest.mark.parametrize("sym", [True, False])
 def test_int4_dequant_from_packed_words_equals_reference(sym):
     from quantkit.formats.pack import pack_int32

@@ -62,17 +62,23 @@ def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, c
         store_kv(v, cache.v[layer], batch.slots, scales[1])
     else:
         cache.store(layer, batch.slots, k, v)
+    d = batch.decodes
+    pure = not batch.seqs  # every token is a decode, in batch order: no scatter into `out`
+    out = None if pure else torch.empty_like(q)
     attend = reference.attention if kernel == "reference" else cpu.attention
-    out = torch.empty_like(q)
     for s in batch.seqs:
         keys, values = cache.gather(layer, s.blocks, s.start + s.n)
         out[s.offset : s.offset + s.n] = attend(q[s.offset : s.offset + s.n], keys, values, s.start)
-    if (d := batch.decodes) is None:
+    if d is None:
         return out
+    qd = q if pure else q[d.rows]
     if kernel == "triton":
-        out[d.rows] = paged_decode_attention(q[d.rows], cache.k[layer], cache.v[layer], d.tables, d.lengths, *scales)
+        a = paged_decode_attention(qd, cache.k[layer], cache.v[layer], d.tables, d.lengths, *scales)
     else:
         keys, values = cache.gather_padded(layer, d.tables)  # [D, max_blocks * block_size, kv_heads, d]
         batched = reference.decode_attention if kernel == "reference" else cpu.decode_attention
-        out[d.rows] = batched(q[d.rows], keys, values, d.lengths)
+        a = batched(qd, keys, values, d.lengths)
+    if pure:
+        return a
+    out[d.rows] = a
     return out

@@ -94,12 +94,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: Batch, cache: KVCache) -> Tensor:  # x [T, hidden]
         cfg, t = self.cfg, x.shape[0]
         h = self.input_norm(x)
-        q, k, v = self.qkv(h).split([cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                                     cfg.num_kv_heads * cfg.head_dim], dim=-1)
-        q, k, v = q.view(t, cfg.num_heads, cfg.head_dim), k.view(t, cfg.num_kv_heads, cfg.head_dim), v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        heads = cfg.num_heads + 2 * cfg.num_kv_heads
+        qkv = self.qkv(h).view(t, heads, cfg.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        else:
+            qk, v = qkv[:, : heads - cfg.num_kv_heads], qkv[:, heads - cfg.num_kv_heads :]
+        qk = apply_rotary(qk, cos, sin)  # queries and keys rotated in one pass
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         a = paged_attention(self.index, q, k, v, batch, cache, self.kernel)
         x = x + self.o(a.reshape(t, -1))
         h = self.post_norm(x)
