@@ -41,8 +41,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> None:
         """Give a new (or preempted) sequence the cached blocks of its longest cached prefix of whole blocks;
         at least one token is left to compute, since its logits are needed."""
-        if not self.prefix_caching or seq.blocks:
-            return
+        if not self.prefix_caching or seq.blocks or seq.params.prompt_logprobs is not None:
+            return  # a scored prompt needs the logits of every position, so nothing of it is skipped
         tokens = seq.tokens
         full = (len(tokens) - 1) // self.block_size
         for h in self._chain(tokens, full):

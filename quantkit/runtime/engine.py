@@ -24,7 +24,7 @@ from quantkit.runtime.kv_cache import CacheSpec, KVCache
 from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
 from quantkit.runtime.layers.linear import KERNELS
 from quantkit.runtime.models.llama import LlamaModel
-from quantkit.runtime.sampler import Sample, SamplingParams, sample
+from quantkit.runtime.sampler import Sample, SamplingParams, sample, scored
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
 from quantkit.runtime.sequence import Sequence, Status
 
@@ -55,6 +55,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     samples: list[Sample] = field(default_factory=list)  # one per output token so far
+    prompt_samples: list[Sample] = field(default_factory=list)  # prompt tokens 1.. (with prompt_logprobs)
 
 
 class LLMEngine:
@@ -129,19 +130,25 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if not work:
             return []
-        batch, wants = self._batch(work)
+        batch, wants, scores = self._batch(work)
         logits = self.model(batch, self.cache)  # [S, vocab]
         outputs = []
         for seq, n in work:
             seq.computed += n
             self.blocks.commit(seq)
-        for row, seq in enumerate(wants):
-            s = sample(logits[row], seq.params, seq.tokens, seq.generator)
+        for seq, row, first in scores:  # prompt positions first..: the log-probability of the prompt token after each
+            top = seq.params.prompt_logprobs
+            lps = logits[row : row + len(seq.prompt) - 1 - first].log_softmax(-1)
+            seq.prompt_samples += [scored(lp, seq.prompt[first + i + 1], top) for i, lp in enumerate(lps)]
+        for seq, row in wants:
+            s = None if seq.params.max_tokens == 0 else sample(logits[row], seq.params, seq.tokens, seq.generator)
             outputs.append(self._advance(seq, s))
         return outputs
 
-    def _batch(self, work: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
-        tokens, positions, slots, seqs, wanted, wants = [], [], [], [], [], []
+    def _batch(self, work: list[tuple[Sequence, int]]) -> tuple[Batch, list[tuple[Sequence, int]], list[tuple[Sequence, int, int]]]:
+        """-> the batch, (sequence, logits row) to sample from, (sequence, first logits row, first prompt
+        position) of prompts being scored."""
+        tokens, positions, slots, seqs, wanted, wants, scores = [], [], [], [], [], [], []
         decode_rows, decode_tables, decode_lens = [], [], []
         bs = self.cfg.block_size
         for seq, n in work:
@@ -157,37 +164,48 @@ class LLMEngine:
                 decode_lens.append(start + 1)
             else:
                 seqs.append(SeqSlice(offset, n, start, torch.tensor(blocks, dtype=torch.long)))
+            if seq.params.prompt_logprobs is not None:
+                first = len(seq.prompt_samples)  # after a preemption, positions already scored are not scored again
+                upto = min(start + n, len(seq.prompt) - 1)
+                if first < upto:
+                    scores.append((seq, len(wanted), first))
+                    wanted += range(offset + first - start, offset + upto - start)
             if start + n == len(seq):  # its last known token is in: sample the next one
+                wants.append((seq, len(wanted)))
                 wanted.append(offset + n - 1)
-                wants.append(seq)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.cfg.device)
         decodes = None
         if decode_rows:
             width = max(map(len, decode_tables))
             decodes = Decodes(t(decode_rows), t([b + [0] * (width - len(b)) for b in decode_tables]), t(decode_lens))
-        return Batch(t(tokens), t(positions), t(slots), seqs, t(wanted), decodes), wants
+        return Batch(t(tokens), t(positions), t(slots), seqs, t(wanted), decodes), wants, scores
 
-    def _advance(self, seq: Sequence, s: Sample) -> RequestOutput:
-        before = seq.text
+    def _advance(self, seq: Sequence, s: Sample | None) -> RequestOutput:
+        """Append the sampled token (None: `max_tokens=0`, the prompt only was wanted) and decide whether it finished."""
         p = seq.params
-        seq.output.append(s.token)
-        seq.samples.append(s)
         reason = None
-        if not p.ignore_eos and s.token in self.eos or s.token in p.stop_token_ids:
-            reason = "stop"
-        seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        for stop in p.stop:
-            if (at := seq.text.find(stop, max(len(before) - len(stop), 0))) >= 0:
-                seq.text, reason = seq.text[:at], "stop"
-                break
-        if reason is None and (len(seq.output) >= p.max_tokens or len(seq) >= min(self.context_length, self.cache.tokens)):
+        if s is None:
             reason = "length"
+        else:
+            seq.output.append(s.token)
+            seq.samples.append(s)
+            if not p.ignore_eos and s.token in self.eos or s.token in p.stop_token_ids:
+                reason = "stop"
+            before = seq.text
+            seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+            for stop in p.stop:
+                if (at := seq.text.find(stop, max(len(before) - len(stop), 0))) >= 0:
+                    seq.text, reason = seq.text[:at], "stop"
+                    break
+            if reason is None and (len(seq.output) >= p.max_tokens or len(seq) >= min(self.context_length, self.cache.tokens)):
+                reason = "length"
         if reason:
             self.scheduler.finish(seq, reason)
             self.seqs.pop(seq.id, None)
-        delta = seq.text.removeprefix(before)
-        return RequestOutput(seq.id, list(seq.output), [s.token], seq.text, delta, reason is not None, reason,
-                             len(seq.prompt), list(seq.samples))
+        shown = seq.text if reason else _settled(seq.text, p.stop)
+        delta, seq.emitted = shown[seq.emitted :], max(seq.emitted, len(shown))
+        return RequestOutput(seq.id, list(seq.output), [] if s is None else [s.token], seq.text, delta, reason is not None,
+                             reason, len(seq.prompt), list(seq.samples), list(seq.prompt_samples))
 
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
@@ -225,6 +243,14 @@ class LLM:
                     yield out
                     if out.finished:
                         return
+
+
+def _settled(text: str, stops: list[str]) -> str:
+    """The part of an unfinished output that can be shown: without a trailing partial UTF-8 character, and
+    without a tail that may be the start of a stop string (which would have to be taken back)."""
+    text = text.rstrip("\ufffd")
+    hold = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    return text[: len(text) - hold]
 
 
 def _compute_dtype(name: str, hf: dict) -> torch.dtype:

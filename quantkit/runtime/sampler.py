@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top tokens' log-probabilities per step
+    prompt_logprobs: int | None = None  # score the prompt too: each prompt token's log-probability (+ this many top)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -85,8 +86,13 @@ def sample(logits: Tensor, p: SamplingParams, seen: list[int], generator: torch.
     else:
         probs = filter_logits(adjusted, p).softmax(-1)
         token = int(torch.multinomial(probs, 1, generator=generator))
-    top = []
-    if p.logprobs:
-        values, ids = logprobs.topk(p.logprobs)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return Sample(token, float(logprobs[token]), top)
+    return scored(logprobs, token, p.logprobs)
+
+
+def scored(logprobs: Tensor, token: int, top: int | None) -> Sample:
+    """`token`'s entry in log-probabilities [vocab], with the `top` best when asked."""
+    best = []
+    if top:
+        values, ids = logprobs.topk(top)
+        best = list(zip(ids.tolist(), values.tolist()))
+    return Sample(token, float(logprobs[token]), best)

@@ -24,11 +24,13 @@ class Sequence:
     arrival: int = 0  # engine step it arrived at (FIFO order)
     output: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    prompt_samples: list[Sample] = field(default_factory=list)  # prompt tokens 1.. scored, with prompt_logprobs
     computed: int = 0  # tokens whose keys/values are in the cache
     blocks: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output (kept up to date by the engine for stop strings)
+    emitted: int = 0  # characters of `text` reported so far (a partial UTF-8 character waits for its rest)
     generator: torch.Generator | None = None
 
     @property
