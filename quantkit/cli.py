@@ -221,6 +221,62 @@ def eval_(
 
 
 @app.command(
+    "serve",
+    epilog="Example: quantkit serve smollm2-w4 --port 8000  |  curl localhost:8000/v1/chat/completions "
+    "-H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+)
+def serve(
+    model: str = typer.Argument(..., help="A checkpoint directory (quantkit or HF), hub id, or smollm2-135m."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; the default answers this machine only."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="QUANTKIT_API_KEY",
+                                       help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model id clients send.  [default: the directory name]"),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Sequences decoded together in one step."),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="Tokens per step (prefill chunks + decodes)."),
+    max_waiting: int = typer.Option(256, "--max-waiting", help="Requests allowed to wait for a slot; more get 429 with Retry-After."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto (fp8 when the checkpoint has scales), fp8, bf16, fp16, fp32."),
+    kv_cache_memory: float | None = typer.Option(None, "--kv-cache-memory", help="KV-cache size in GiB.  [default: max-num-seqs full contexts, at most 25% of free memory]"),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, bf16, fp16, fp32."),
+    kernel: str = typer.Option("auto", "--kernel", help="auto (triton on CUDA, packed on CPU), packed, dense, reference or triton."),
+    drain_seconds: int = typer.Option(30, "--drain-seconds", help="On SIGINT/SIGTERM, let in-flight requests finish this long, then abort them."),
+    debug: bool = DEBUG,
+) -> None:
+    """Serve a checkpoint with an OpenAI-compatible API (chat, completions, streaming, tools) on quantkit's engine."""
+    from quantkit import QuantkitError
+    from quantkit.models import resolve
+    from quantkit.runtime import EngineConfig
+    from quantkit.server.api import ServerConfig
+    from quantkit.server.run import serve as run
+
+    if not 0 < port < 65536:
+        raise QuantkitError(f"--port {port}: use 1-65535")
+    if max_num_seqs < 1 or max_waiting < 0 or max_num_batched_tokens < 1:
+        raise QuantkitError("--max-num-seqs and --max-num-batched-tokens must be >= 1, --max-waiting >= 0")
+    ui = Reporter()
+    path = resolve(model, status=ui.note).path
+    name = served_model_name or (model if not Path(model).exists() else Path(model).resolve().name)
+    memory = None if kv_cache_memory is None else int(kv_cache_memory * 2**30)
+    engine_cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, kernel=kernel,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    _port_free(host, port)
+    run(path, engine_cfg, ServerConfig(name, api_key, max_waiting), host, port, drain_seconds, announce=ui.note)
+
+
+def _port_free(host: str, port: int) -> None:
+    import socket
+
+    from quantkit import QuantkitError
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise QuantkitError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+@app.command(
     "bench",
     epilog="Example: quantkit bench --offline smollm2-w4 --batch-sizes 1,8 --input-len 128 --output-len 64 --hf",
 )
