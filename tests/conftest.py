@@ -81,3 +81,87 @@ def run_cli(capsys, *args):
         raise SystemExit(0)
     out, err = capsys.readouterr()
     return exc.value.code or 0, out, err
+
+
+class Server:
+    """`quantkit serve` in a subprocess on a free loopback port: the real server, as users start it."""
+
+    def __init__(self, model: Path | str, *args: str, key: str | None = None, timeout: float = 180):
+        import socket
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.key = key
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "quantkit", "serve", str(model), "--port", str(self.port), *args]
+        if key:
+            cmd += ["--api-key", key]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            try:
+                urllib.request.urlopen(self.base + "/health", timeout=1)
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("server did not come up") from None
+                time.sleep(0.3)
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.key or "none", max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled-by-reason samples of /metrics: {name: value}."""
+        import httpx
+
+        text = httpx.get(self.base + "/metrics", headers=self.headers()).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "le=" not in line and "finished_reason" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name.split("{")[0]] = float(value)
+        return out
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def stop(self, timeout: float = 60) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture(scope="session")
+def smollm2_w4(smollm2_dir, tmp_path_factory) -> Path:
+    """SmolLM2-135M at 4 bits (RTN, groups of 64): what the server tests serve."""
+    from quantkit.cli import main
+
+    out = tmp_path_factory.mktemp("w4") / "smollm2-w4"
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", str(smollm2_dir), "--bits", "4", "-g", "64", "-o", str(out), "-q"])
+    assert exc.value.code == 0
+    return out
+
+
+SERVER_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_w4):
+    """One server for the SmolLM2 tests: fp32 compute (so greedy output does not depend on how requests were
+    batched together), a 512 MiB KV cache, an API key."""
+    server = Server(smollm2_w4, "--dtype", "fp32", "--kv-cache-memory", "0.5", "--served-model-name", "smollm2-w4", key=SERVER_KEY)
+    yield server
+    assert server.stop() == 0

@@ -73,8 +73,8 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def overloaded(self) -> bool:
-        """More requests wait for a slot than the waiting queue allows: answer 429 instead of queueing."""
-        return self.inflight - self.snapshot.running >= self.max_waiting
+        """Every batch slot is taken and `max_waiting` more requests wait: answer 429 instead of queueing."""
+        return self.inflight >= self.engine.cfg.max_num_seqs + self.max_waiting
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, step by step, until it finishes; aborted if the consumer stops early."""
@@ -110,6 +110,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain()
+            self.snapshot = Snapshot(**self.engine.stats())
             if not self.engine.has_unfinished():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -154,7 +155,6 @@ class AsyncEngine:
                     self.metrics.finished("abort")
             else:
                 self._stop.set()
-        self.snapshot = Snapshot(**self.engine.stats())
 
     def _record(self, out: RequestOutput, now: float) -> None:
         req = self._requests.get(out.id)

@@ -6,6 +6,8 @@ On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight request
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 from quantkit.runtime.engine import EngineConfig, LLMEngine
@@ -23,4 +25,6 @@ def serve(path: Path, engine_cfg: EngineConfig, cfg: ServerConfig, host: str = "
     announce(f"serving {cfg.served_model_name} at http://{host}:{port}/v1" + (" (API key required)" if cfg.api_key else ""))
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_seconds,
                             access_log=False)
+    # uvicorn drains on SIGTERM, then re-raises the signal with the handler found at start: make that an exit 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.Server(config).run()
