@@ -278,7 +278,9 @@ def _port_free(host: str, port: int) -> None:
 
 @app.command(
     "bench",
-    epilog="Example: quantkit bench --offline smollm2-w4 --batch-sizes 1,8 --input-len 128 --output-len 64 --hf",
+    epilog="Examples: quantkit bench http://127.0.0.1:8000 --concurrency 8 --num-prompts 64 --output-len 128  |  "
+    "quantkit bench http://127.0.0.1:8000 --sweep 1,4,16,64 --plot sweep.png  |  "
+    "quantkit bench --offline smollm2-w4 --batch-sizes 1,8 --input-len 128 --output-len 64 --hf",
 )
 def bench(
     url: str | None = typer.Argument(None, help="An OpenAI-compatible server to load (arrives with quantkit serve)."),
@@ -291,12 +293,26 @@ def bench(
     kernel: str = typer.Option("auto", "--kernel", help="auto (triton on CUDA, packed on CPU), packed, dense, reference or triton."),
     hf: bool = typer.Option(False, "--hf", help="Also run HF transformers generate on the same workload."),
     llama_cpp: Path | None = typer.Option(None, "--llama-cpp", help="Also run this GGUF in llama.cpp (llama-cpp-python)."),
+    model: str | None = typer.Option(None, "--model", help="URL mode: the model name to send.  [default: the first in GET /v1/models]"),
+    concurrency: int | None = typer.Option(None, "--concurrency", "-c", help="URL mode: requests in flight at most.  [default: all]"),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="URL mode: requests per second, Poisson arrivals.  [default: inf]"),
+    num_prompts: int = typer.Option(100, "--num-prompts", "-n", help="URL mode: requests per run (per level with --sweep)."),
+    prompts_file: Path | None = typer.Option(None, "--prompts", help='URL mode: a JSONL file of {"prompt": ..., "output_len": ...} rows.'),
+    sweep: str | None = typer.Option(None, "--sweep", help="URL mode: concurrency levels to run in turn, e.g. 1,4,16,64."),
+    plot: Path | None = typer.Option(None, "--plot", help="URL mode: PNG of throughput vs latency.  [default with --sweep: bench-sweep.png]"),
+    chat: bool = typer.Option(False, "--chat", help="URL mode: send chat completions instead of completions."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="URL mode: bearer token for the server."),
+    tokenizer: str = typer.Option("smollm2-135m", "--tokenizer", help="URL mode: tokenizer that sizes the prompts (directory, hub id or alias)."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="URL mode: ask for exactly --output-len tokens."),
+    seed: int = typer.Option(0, "--seed", help="URL mode: seed of the random prompts and arrivals."),
     as_json: bool = JSON,
     quiet: bool = QUIET,
     debug: bool = DEBUG,
 ) -> None:
-    """Measure generation throughput and latency: quantkit's engine, side by side with HF and llama.cpp."""
+    """Measure generation throughput and latency: an OpenAI-compatible server under load (URL), or quantkit's
+    engine in-process (--offline) side by side with HF and llama.cpp."""
     from quantkit import QuantkitError
+    from quantkit.bench.loadgen import LoadConfig
     from quantkit.bench.offline import (
         Workload,
         kv_tokens_per_gib,
@@ -308,8 +324,15 @@ def bench(
     from quantkit.models import resolve
     from quantkit.runtime import EngineConfig, LLMEngine
 
+    if offline is not None and url is not None:
+        raise QuantkitError("give a server URL or --offline MODEL, not both")
+    if offline is None and url is None:
+        raise QuantkitError("give a server URL (quantkit bench http://127.0.0.1:8000) or --offline MODEL")
     if offline is None:
-        raise QuantkitError("load generation against a server URL is not built yet: use --offline MODEL")
+        cfg = LoadConfig(url, model, concurrency, request_rate, num_prompts, input_len, output_len, prompts_file, chat,
+                         ignore_eos, api_key, seed)
+        _bench_url(cfg, sweep, plot, tokenizer, as_json, quiet)
+        return
     try:
         sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
     except ValueError:
@@ -349,6 +372,60 @@ def bench(
                       f"{r.prefill_tok_s:.0f}", f"{r.output_tok_s:.1f}", f"{r.decode_tok_s:.1f}", f"{ratio:.2f}x")
     stdout.print(table)
     stdout.print(f"KV cache tokens per GiB: {kv['fp16']:,} at fp16, {kv['fp8']:,} at FP8")
+
+
+def _bench_url(cfg, sweep: str | None, plot: Path | None, tokenizer: str, as_json: bool, quiet: bool) -> None:
+    import asyncio
+    import dataclasses
+
+    from quantkit import QuantkitError
+    from quantkit.bench.loadgen import base_url, file_prompts, plot_sweep, random_prompts, run_load
+    from quantkit.models import load_tokenizer, resolve
+
+    base_url(cfg.url)
+    try:
+        levels = [int(c) for c in sweep.split(",") if c.strip()] if sweep else [cfg.concurrency]
+    except ValueError:
+        raise QuantkitError(f"--sweep: {sweep!r} is not a list of integers like 1,4,16,64") from None
+    if any(c is not None and c < 1 for c in levels) or cfg.num_prompts < 1 or cfg.input_len < 1 or cfg.output_len < 1:
+        raise QuantkitError("--concurrency, --sweep levels, --num-prompts, --input-len and --output-len must be >= 1")
+    if not cfg.request_rate > 0:
+        raise QuantkitError("--request-rate must be > 0 (inf: all at once)")
+    ui = Reporter(quiet or as_json)
+    tok = load_tokenizer(resolve(tokenizer, status=ui.note).path)
+    if cfg.prompts_file:
+        rows = file_prompts(cfg.prompts_file, tok)
+        prompts = [(text, n, out or cfg.output_len) for text, n, out in rows]
+        prompts = [prompts[i % len(prompts)] for i in range(cfg.num_prompts)]
+    else:
+        prompts = [(text, n, cfg.output_len) for text, n in random_prompts(tok, cfg.num_prompts, cfg.input_len, cfg.seed)]
+    summaries = []
+    for level in levels:
+        run_cfg = dataclasses.replace(cfg, concurrency=level)
+        with ui.bar(f"concurrency {level or 'unbounded'}: {cfg.num_prompts} requests", cfg.num_prompts) as advance:
+            summaries.append(asyncio.run(run_load(run_cfg, prompts, advance)))
+    if plot is None and sweep:
+        plot = Path("bench-sweep.png")
+    if plot is not None:
+        plot_sweep(summaries, plot, f"{cfg.url}: {cfg.input_len} in / {cfg.output_len} out")
+    if as_json:
+        print(json.dumps({"url": cfg.url, "input_len": cfg.input_len, "output_len": cfg.output_len,
+                          "plot": None if plot is None else str(plot), "runs": [s.to_dict() for s in summaries]}, indent=2))
+        return
+    if quiet:
+        return
+    table = Table("concurrency", "ok", "failed", "req/s", "output tok/s", "TTFT mean / p50 / p99 ms", "TPOT mean / p50 / p99 ms",
+                  "ITL mean / p50 / p99 ms", "E2E mean ms", title=f"{cfg.url}: {len(prompts)} requests per level", title_justify="left")
+    fmt = lambda d: f"{d['mean']:.0f} / {d['p50']:.0f} / {d['p99']:.0f}"  # noqa: E731
+    for s in summaries:
+        table.add_row(str(s.concurrency or "all"), str(s.completed), str(s.failed), f"{s.request_throughput:.2f}",
+                      f"{s.output_throughput:.1f}", fmt(s.ttft_ms), fmt(s.tpot_ms), fmt(s.itl_ms), f"{s.e2el_ms['mean']:.0f}")
+    stdout.print(table)
+    for s in summaries:
+        for e in s.errors:
+            stderr.print(f"[yellow]failed request (concurrency {s.concurrency}):[/] {e}", highlight=False)
+    if plot is not None:
+        stdout.print(f"plot: {plot}")
 
 
 def torch_threads() -> int:

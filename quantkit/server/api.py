@@ -13,7 +13,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,13 +190,7 @@ class Api:
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     api = Api(engine, cfg)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        yield
-        engine.shutdown()
-
-    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="quantkit", docs_url=None, redoc_url=None)
     if cfg.api_key:
         app.add_middleware(ApiKey, key=cfg.api_key)
 

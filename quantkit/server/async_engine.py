@@ -1,7 +1,8 @@
-"""The engine behind the server: one background thread steps `LLMEngine`, and every request owns an
-asyncio queue that receives its outputs.
+"""The engine behind the server: one thread steps `LLMEngine` (the process's main thread: PyTorch's CPU
+matmuls run up to 5x slower when called from another thread), and every request owns an asyncio queue,
+on the HTTP thread's event loop, that receives its outputs.
 
-Adds and aborts reach the thread through a command queue, so the event loop never waits for a step, and
+Adds and aborts reach the engine through a command queue, so the event loop never waits for a step, and
 the engine is only ever touched by its own thread. A request whose consumer goes away (client
 disconnected, task cancelled) is aborted, which frees its KV blocks at the next step.
 """
@@ -62,15 +63,12 @@ class AsyncEngine:
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="quantkit-engine", daemon=True)
+        self._running = False
 
     # --- event-loop side ----------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self._running and not self._stop.is_set()
 
     def overloaded(self) -> bool:
         """Every batch slot is taken and `max_waiting` more requests wait: answer 429 instead of queueing."""
@@ -97,16 +95,23 @@ class AsyncEngine:
             if not finished:
                 self._send(("abort", request_id))
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Abort what is still running and stop the thread (after uvicorn's graceful drain)."""
+    def shutdown(self) -> None:
+        """Make `run_forever` abort what is still running and return (after the HTTP side has drained)."""
         self._send(("stop",))
-        self._thread.join(timeout)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
 
     # --- engine thread ------------------------------------------------------------------------
+    def run_forever(self) -> None:
+        """Step the engine in the calling thread until `shutdown`."""
+        self._running = True
+        try:
+            self._run()
+        finally:
+            self._running = False
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain()

@@ -1,13 +1,15 @@
-"""Start the server: load the engine, put the API in front of it, run uvicorn until a signal.
+"""Start the server: load the engine, put the API in front of it, and run uvicorn in a thread while the
+main thread steps the engine.
 
 On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight requests finish for up to
-`drain_seconds`; whatever is still running after that ends as aborted, and the engine thread stops.
+`drain_seconds` (the engine keeps stepping meanwhile); whatever is still running after that ends as
+aborted, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import signal
-import sys
+import threading
 from pathlib import Path
 
 from quantkit.runtime.engine import EngineConfig, LLMEngine
@@ -19,12 +21,25 @@ def serve(path: Path, engine_cfg: EngineConfig, cfg: ServerConfig, host: str = "
           drain_seconds: int = 30, announce=print) -> None:
     import uvicorn
 
-    engine = LLMEngine(path, engine_cfg)
-    app = build_app(AsyncEngine(engine, cfg.max_waiting), cfg)
-    announce(engine.describe())
+    engine = AsyncEngine(LLMEngine(path, engine_cfg), cfg.max_waiting)
+    config = uvicorn.Config(build_app(engine, cfg), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=drain_seconds, access_log=False)
+    server = uvicorn.Server(config)
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:
+            engine.shutdown()  # the HTTP side is done (drained, or failed to start): stop stepping
+
+    def stop(*_) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    thread = threading.Thread(target=http, name="quantkit-http", daemon=True)
+    thread.start()
+    announce(engine.engine.describe())
     announce(f"serving {cfg.served_model_name} at http://{host}:{port}/v1" + (" (API key required)" if cfg.api_key else ""))
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_seconds,
-                            access_log=False)
-    # uvicorn drains on SIGTERM, then re-raises the signal with the handler found at start: make that an exit 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.Server(config).run()
+    engine.run_forever()
+    thread.join(5)
