@@ -188,3 +188,20 @@ def test_backpressure_and_graceful_shutdown(tiny_dir):
             t.join()
     assert code == 0
     assert all(r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length" for r in results.values())
+
+
+def test_bench_url_sweep_against_the_server(smollm2_server, smollm2_w4, tmp_path, capsys):
+    from tests.conftest import run_cli
+
+    plot = tmp_path / "sweep.png"
+    code, out, err = run_cli(capsys, "bench", smollm2_server.base, "--sweep", "1,2", "-n", "4", "--input-len", "16",
+                             "--output-len", "8", "--plot", str(plot), "--api-key", SERVER_KEY, "--tokenizer", str(smollm2_w4), "--json")
+    assert code == 0, err
+    runs = json.loads(out)["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 2]
+    for r in runs:
+        assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 32 and r["input_tokens"] == 64  # ignore_eos held
+        assert 0 < r["ttft_ms"]["p50"] <= r["e2el_ms"]["p50"] and r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["mean"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = run_cli(capsys, "bench", smollm2_server.base, "-n", "1", "--tokenizer", str(smollm2_w4), "-q")  # no key
+    assert code == 2 and "401" in err and err.count("error:") == 1

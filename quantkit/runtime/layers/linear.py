@@ -71,7 +71,10 @@ class Linear(nn.Module):
             self.mode, self.qw = "triton", weight
             self.words = pack_int32(weight.q, weight.bits, dim=1)  # [out, in * bits / 32]
             self.scale_t = weight.scale.to(dtype).contiguous()
-        elif kernel == "packed" and weight.bits == 4 and cpu.int4_supported(out_features, in_features, weight.group_size):
+        elif (kernel == "packed" and weight.bits == 4 and dtype != torch.float32
+              and cpu.int4_supported(out_features, in_features, weight.group_size)):
+            # (float32 engines dequantise once instead: PyTorch's int4 op with float32 activations costs 30x its
+            # bfloat16 time at one row and grows linearly with rows -- 50 ms for a 32-row gate/up)
             self.mode = "int4"
             self.packed, self.scales_zeros, self.group = cpu.repack_int4(weight.q, weight.scale, weight.zero_point,
                                                                          weight.group_size, dtype)
