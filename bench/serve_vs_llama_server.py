@@ -1,0 +1,96 @@
+"""`quantkit serve` against llama.cpp's `llama-server` under the same load, one server at a time.
+
+    python bench/serve_vs_llama_server.py CKPT GGUF --llama-server PATH/llama-server [--levels 1,8,32]
+
+Both get the same random prompts (sized in SmolLM2's tokenizer), `--output-len` tokens each with EOS
+ignored, streamed completions, at each concurrency level (4 requests per slot, at least 4). llama-server
+runs continuous batching with `-np` = the largest level and 2 threads. Prints one table with the
+output-token throughput ratios (quantkit / llama-server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from quantkit.bench.loadgen import LoadConfig, random_prompts, run_load
+from quantkit.models import load_tokenizer, resolve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    sys.exit("server did not come up")
+
+
+def measure(name: str, cmd: list[str], port: int, levels: list[int], prompts, cfg: LoadConfig) -> dict[int, object]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_up(url, proc)
+        out = {}
+        for c in levels:
+            n = max(4, 4 * c)
+            s = asyncio.run(run_load(dataclasses.replace(cfg, url=url, concurrency=c, num_prompts=n), prompts[:n]))
+            print(f"{name:12s} c={c:3d}: {s.completed}/{n} ok, {s.output_throughput:6.1f} output tok/s, "
+                  f"TTFT p50 {s.ttft_ms['p50']:6.0f} ms, TPOT p50 {s.tpot_ms['p50']:5.1f} ms", flush=True)
+            out[c] = s
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ckpt")
+    ap.add_argument("gguf")
+    ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    tok = load_tokenizer(resolve("smollm2-135m").path)
+    prompts = [(t, n, args.output_len) for t, n in random_prompts(tok, 4 * max(levels), args.input_len, seed=0)]
+    cfg = LoadConfig(url="", input_len=args.input_len, output_len=args.output_len)
+    slots = max(levels)
+    port = free_port()
+    ours = measure("quantkit", [sys.executable, "-m", "quantkit", "serve", args.ckpt, "--port", str(port),
+                                "--max-num-seqs", str(slots)], port, levels, prompts, cfg)
+    port = free_port()
+    ctx = slots * (args.input_len + args.output_len + 64)
+    peer = measure("llama-server", [args.llama_server, "-m", args.gguf, "--port", str(port), "-np", str(slots), "-c", str(ctx),
+                                    "-t", str(args.threads), "-cb"], port, levels, prompts, cfg)
+    print(f"\n| concurrency | quantkit serve tok/s | llama-server tok/s | ratio | quantkit TTFT p50 ms | llama-server TTFT p50 ms |"
+          f" quantkit TPOT p50 ms | llama-server TPOT p50 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in levels:
+        a, b = ours[c], peer[c]
+        print(f"| {c} | {a.output_throughput:.1f} | {b.output_throughput:.1f} | {a.output_throughput / b.output_throughput:.2f}x | "
+              f"{a.ttft_ms['p50']:.0f} | {b.ttft_ms['p50']:.0f} | {a.tpot_ms['p50']:.1f} | {b.tpot_ms['p50']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
