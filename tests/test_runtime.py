@@ -4,6 +4,8 @@ Greedy output must be token-identical to HF `generate` on a dense checkpoint (fl
 batching: requests arriving at different steps, chunked prefill, preemption, prefix caching.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -203,3 +205,18 @@ def test_bench_and_engine_errors_are_one_line(tiny_dir, capsys):
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run_cli(capsys, "bench", "--offline", "no/such-model-dir-here")
     assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_json_prefix_automaton():
+    from quantkit.runtime.json_mode import JsonPrefix
+
+    for doc in ['{"a": 1, "b": [true, false, null, -1.5e+3, "x\\u00e9\\n"], "c": {}}', "{}", '{"k": [[], {}]}', '{"n": 0}']:
+        state = JsonPrefix()
+        for ch in doc:  # every prefix is accepted, character by character
+            state = state.feed(ch)
+            assert state is not None, (doc, ch)
+        assert state.complete and json.loads(doc) is not None
+    for doc in ["[1]", '{"a" 1}', '{"a": 01}', '{"a": tru }', "{a: 1}", '{"a": 1,}', '{"a": 1}}', '{"a": 1} x', '{"a":     \n 1}']:
+        state = JsonPrefix().feed(doc)
+        assert state is None or not state.complete, doc
+    assert not JsonPrefix().feed('{"a": 12').complete

@@ -20,6 +20,7 @@ import torch
 
 from quantkit import QuantkitError
 from quantkit.runtime.block_manager import BlockManager
+from quantkit.runtime.json_mode import JsonPrefix, choose
 from quantkit.runtime.kv_cache import CacheSpec, KVCache
 from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
 from quantkit.runtime.layers.linear import KERNELS
@@ -86,6 +87,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.steps = 0
         self._ids = itertools.count()
+        self._pieces: dict[int, str] = {}
         logging.getLogger("quantkit.runtime").info(self.describe())
 
     def describe(self) -> str:
@@ -111,6 +113,8 @@ class LLMEngine:
         seq = Sequence(rid, ids, params, arrival=self.steps)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
+        if params.json_object:
+            seq.json_state = JsonPrefix()
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -141,7 +145,13 @@ class LLMEngine:
             lps = logits[row : row + len(seq.prompt) - 1 - first].log_softmax(-1)
             seq.prompt_samples += [scored(lp, seq.prompt[first + i + 1], top) for i, lp in enumerate(lps)]
         for seq, row in wants:
-            s = None if seq.params.max_tokens == 0 else sample(logits[row], seq.params, seq.tokens, seq.generator)
+            if seq.params.max_tokens == 0:
+                s = None
+            elif seq.json_state is not None:
+                s, seq.json_state = choose(logits[row], seq.params, seq.tokens, seq.generator, seq.json_state, self.piece,
+                                           min(self.eos))
+            else:
+                s = sample(logits[row], seq.params, seq.tokens, seq.generator)
             outputs.append(self._advance(seq, s))
         return outputs
 
@@ -206,6 +216,12 @@ class LLMEngine:
         delta, seq.emitted = shown[seq.emitted :], max(seq.emitted, len(shown))
         return RequestOutput(seq.id, list(seq.output), [] if s is None else [s.token], seq.text, delta, reason is not None,
                              reason, len(seq.prompt), list(seq.samples), list(seq.prompt_samples))
+
+    def piece(self, token: int) -> str:
+        """A token's text decoded alone (cached): what the JSON constraint checks."""
+        if (text := self._pieces.get(token)) is None:
+            text = self._pieces[token] = self.tokenizer.decode([token])
+        return text
 
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

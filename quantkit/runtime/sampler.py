@@ -25,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top tokens' log-probabilities per step
     prompt_logprobs: int | None = None  # score the prompt too: each prompt token's log-probability (+ this many top)
+    json_object: bool = False  # constrain the output to one JSON object (see runtime/json_mode.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quantkit.runtime.json_mode import JsonPrefix
 from quantkit.runtime.sampler import Sample, SamplingParams
 
 
@@ -32,6 +33,7 @@ class Sequence:
     text: str = ""  # detokenized output (kept up to date by the engine for stop strings)
     emitted: int = 0  # characters of `text` reported so far (a partial UTF-8 character waits for its rest)
     generator: torch.Generator | None = None
+    json_state: JsonPrefix | None = None  # with params.json_object: the JSON written so far, as parser state
 
     @property
     def tokens(self) -> list[int]:

@@ -108,7 +108,7 @@ class Api:
         return max_tokens
 
     def params(self, req: ApiRequest, max_tokens: int, seed_offset: int, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> SamplingParams:
+               prompt_logprobs: int | None = None, json_object: bool = False) -> SamplingParams:
         d = self.defaults
         pick = lambda v, name, default: v if v is not None else d.get(name, default)
         try:
@@ -118,7 +118,7 @@ class Api:
                 repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 seed=None if req.seed is None else req.seed + seed_offset, stop=req.stops(),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs)
+                prompt_logprobs=prompt_logprobs, json_object=json_object)
         except QuantkitError as e:
             raise ApiError(400, str(e)) from None
 
@@ -347,9 +347,10 @@ def _prompt_ids(api: Api, prompt) -> list[list[int]]:
 # --- /v1/chat/completions -----------------------------------------------------------------------
 async def _chat(api: Api, req: ChatCompletionRequest, raw: Request):
     api.check(req)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(400, f"response_format {req.response_format.type} is not supported by this server (constrained "
-                            "decoding is not built); ask for JSON in the prompt", param="response_format")
+    json_mode = req.response_format is not None and req.response_format.type != "text"
+    if json_mode and req.response_format.type != "json_object":
+        raise ApiError(400, "response_format json_schema is not supported: use {\"type\": \"json_object\"} (any JSON "
+                            "object) and describe the fields in the prompt", param="response_format")
     tool_choice = req.tool_choice if req.tools else "none"
     if tool_choice not in (None, "auto", "none"):
         raise ApiError(400, "tool_choice must be 'auto' or 'none' here (forcing a call needs constrained decoding)", param="tool_choice")
@@ -359,8 +360,8 @@ async def _chat(api: Api, req: ChatCompletionRequest, raw: Request):
     budget = api.budget(prompt, max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = api.choices([prompt], req, rid, lambda p, j: api.params(req, budget, j, top))
-    names = {t["function"]["name"] for t in tools}
+    choices = api.choices([prompt], req, rid, lambda p, j: api.params(req, budget, j, top, json_object=json_mode))
+    names = set() if json_mode else {t["function"]["name"] for t in tools}
     if req.stream:
         return _sse(_chat_chunks(api, req, rid, choices, names))
     final = await api.collect(choices, raw)
