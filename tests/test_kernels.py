@@ -40,6 +40,11 @@ def test_attention_kernels_match_reference():
     kb, vb = torch.randn(3, 40, kv_heads, d, generator=gen), torch.randn(3, 40, kv_heads, d, generator=gen)
     qd = torch.randn(3, heads, d, generator=gen)
     assert torch.allclose(cpu.decode_attention(qd, kb, vb, lengths), reference.decode_attention(qd, kb, vb, lengths), atol=1e-5)
+    for i in range(3):  # one sequence alone takes its own (float32, unpadded) path
+        one = (qd[i : i + 1], kb[i : i + 1], vb[i : i + 1], lengths[i : i + 1])
+        assert torch.allclose(cpu.decode_attention(*one), reference.decode_attention(*one), atol=1e-5)
+        bf16 = [t.bfloat16() for t in one[:3]]
+        assert torch.allclose(cpu.decode_attention(*bf16, one[3]).float(), reference.decode_attention(*one), atol=3e-2)
 
 
 def test_fp8_round_trip_saturates_and_keeps_precision():
