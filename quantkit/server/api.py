@@ -72,14 +72,11 @@ class Api:
         self.defaults = _generation_defaults(core.path)
         self.created = int(time.time())
         self.rejected = 0
-        self._pieces: dict[int, str] = {}
 
     # --- shared pieces --------------------------------------------------------------------------
     def piece(self, token: int) -> str:
         """A token's text as the API reports it in logprobs (decoded alone)."""
-        if (s := self._pieces.get(token)) is None:
-            s = self._pieces[token] = self.tokenizer.decode([token])
-        return s
+        return self.engine.engine.piece(token)
 
     def check(self, req: ApiRequest) -> None:
         if req.model is not None and req.model != self.cfg.served_model_name:
@@ -123,7 +120,8 @@ class Api:
             raise ApiError(400, str(e)) from None
 
     def choices(self, prompts: list[list[int]], req: ApiRequest, prefix: str, make) -> list[Choice]:
-        return [Choice(i * req.n + j, f"{prefix}-{i * req.n + j}", p, make(p, j)) for i, p in enumerate(prompts) for j in range(req.n)]
+        """`n` choices per prompt, indexed as OpenAI does (prompt-major); `make(prompt index, choice j)` -> params."""
+        return [Choice(i * req.n + j, f"{prefix}-{i * req.n + j}", p, make(i, j)) for i, p in enumerate(prompts) for j in range(req.n)]
 
     async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's outputs as they come, interleaved; leaving early aborts the unfinished ones."""
@@ -285,8 +283,7 @@ async def _completions(api: Api, req: CompletionRequest, raw: Request):
     budgets = [api.budget(p, req.max_tokens) for p in prompts]
     score = top if req.echo and top is not None else None
     rid = f"cmpl-{uuid.uuid4().hex}"
-    by_prompt = {id(p): b for p, b in zip(prompts, budgets)}
-    choices = api.choices(prompts, req, rid, lambda p, j: api.params(req, by_prompt[id(p)], j, top, score))
+    choices = api.choices(prompts, req, rid, lambda i, j: api.params(req, budgets[i], j, top, score))
     usage_prompt = sum(map(len, prompts))
     if req.stream:
         return _sse(_completion_chunks(api, req, rid, choices, usage_prompt))
@@ -360,7 +357,7 @@ async def _chat(api: Api, req: ChatCompletionRequest, raw: Request):
     budget = api.budget(prompt, max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = api.choices([prompt], req, rid, lambda p, j: api.params(req, budget, j, top, json_object=json_mode))
+    choices = api.choices([prompt], req, rid, lambda i, j: api.params(req, budget, j, top, json_object=json_mode))
     names = set() if json_mode else {t["function"]["name"] for t in tools}
     if req.stream:
         return _sse(_chat_chunks(api, req, rid, choices, names))
