@@ -227,3 +227,28 @@ def test_bench_url_sweep_against_the_server(smollm2_server, smollm2_w4, tmp_path
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, _, err = run_cli(capsys, "bench", smollm2_server.base, "-n", "1", "--tokenizer", str(smollm2_w4), "-q")  # no key
     assert code == 2 and "401" in err and err.count("error:") == 1
+
+
+def test_forced_tool_calls(smollm2_server):
+    client = smollm2_server.client()
+    clock = {"type": "function", "function": {"name": "get_time", "description": "Current local time in a city",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    tools, ask = [*WEATHER, clock], [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(model="smollm2-w4", messages=ask, tools=tools, tool_choice=named, temperature=0, max_tokens=40)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and isinstance(json.loads(call.function.arguments), dict)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+
+    chunks = list(client.chat.completions.create(model="smollm2-w4", messages=ask, tools=tools, tool_choice=named, temperature=0,
+                                                 max_tokens=40, stream=True))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_time", call.function.arguments)]
+
+    required = client.chat.completions.create(model="smollm2-w4", messages=ask, tools=tools, tool_choice="required",
+                                              temperature=0, max_tokens=40)
+    (call,) = required.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)  # the likelier name
+    with pytest.raises(openai.BadRequestError, match="not among the offered tools"):
+        client.chat.completions.create(model="smollm2-w4", messages=ask, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "launch"}})

@@ -349,25 +349,33 @@ async def _chat(api: Api, req: ChatCompletionRequest, raw: Request):
         raise ApiError(400, "response_format json_schema is not supported: use {\"type\": \"json_object\"} (any JSON "
                             "object) and describe the fields in the prompt", param="response_format")
     tool_choice = req.tool_choice if req.tools else "none"
-    if tool_choice not in (None, "auto", "none"):
-        raise ApiError(400, "tool_choice must be 'auto' or 'none' here (forcing a call needs constrained decoding)", param="tool_choice")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if tool_choice != "none" else []
+    names = [t["function"]["name"] for t in tools]
+    forced = _forced_name(tool_choice, names)
+    if forced and json_mode:
+        raise ApiError(400, "response_format json_object and a forced tool call cannot be combined", param="tool_choice")
     prompt = _render_chat(api, req.messages, tools, True)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    if forced == "required":
+        forced = names[0] if len(names) == 1 else await _pick_function(api, prompt, names, rid)
+    if forced:  # the call is begun for the model; JSON mode writes its arguments
+        prompt = prompt + api.tokenizer(_call_prefix(forced), add_special_tokens=False)["input_ids"]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     budget = api.budget(prompt, max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = api.choices([prompt], req, rid, lambda i, j: api.params(req, budget, j, top, json_object=json_mode))
-    names = set() if json_mode else {t["function"]["name"] for t in tools}
+    choices = api.choices([prompt], req, rid, lambda i, j: api.params(req, budget, j, top, json_object=json_mode or bool(forced)))
+    offered = set() if json_mode or forced else set(names)
     if req.stream:
-        return _sse(_chat_chunks(api, req, rid, choices, names))
+        return _sse(_chat_chunks(api, req, rid, choices, offered, forced))
     final = await api.collect(choices, raw)
     out = []
     for c in choices:
         r = final[c.index]
         message: dict[str, Any] = {"role": "assistant", "content": r.text}
         reason = r.finish_reason
-        if names and (calls := _tool_calls(r.text, names)):
+        if forced:
+            message, reason = {"role": "assistant", "content": None, "tool_calls": _forced_call(forced, r.text)}, _forced_reason(r)
+        elif offered and (calls := _tool_calls(r.text, offered)):
             message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
         logprobs = api.chat_logprobs(r.samples) if top is not None else None
         out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
@@ -376,9 +384,10 @@ async def _chat(api: Api, req: ChatCompletionRequest, raw: Request):
             "choices": out, "usage": _usage(len(prompt), completion)}
 
 
-async def _chat_chunks(api: Api, req: ChatCompletionRequest, rid: str, choices: list[Choice], names: set[str]):
+async def _chat_chunks(api: Api, req: ChatCompletionRequest, rid: str, choices: list[Choice], names: set[str],
+                       forced: str | None = None):
     """Content streams as it is made; with tools, output that may be a tool call is held until it is
-    known, then sent as `tool_calls` (or as content after all)."""
+    known, then sent as `tool_calls` (or as content after all); a forced call is sent whole at its end."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": api.cfg.served_model_name}
     chunk = lambda i, delta, reason=None, logprobs=None: {
         **head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
@@ -395,6 +404,10 @@ async def _chat_chunks(api: Api, req: ChatCompletionRequest, rid: str, choices: 
         shown[i] += out.delta
         if req.logprobs and out.new_token_ids:
             pending[i] += out.samples[-len(out.new_token_ids):]
+        if forced:
+            if out.finished:
+                yield chunk(i, {"tool_calls": [{"index": 0, **_forced_call(forced, out.text)[0]}]}, _forced_reason(out))
+            continue
         if held[i] and not _may_be_call(out.text):
             held[i] = False
         if held[i] and not out.finished:
@@ -414,6 +427,57 @@ async def _chat_chunks(api: Api, req: ChatCompletionRequest, rid: str, choices: 
 
 
 CALL_STARTS = ("<tool_call>", "{", "[")
+NAME_START = '<tool_call>{"name": "'
+
+
+def _call_prefix(name: str) -> str:
+    """A forced call, begun in the prompt: the model writes only its arguments."""
+    return f'{NAME_START}{name}", "arguments": '
+
+
+def _forced_name(tool_choice, names: list[str]) -> str | None:
+    """None (the model decides), "required" (some offered function), or the named function."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required":
+        return "required"
+    if not isinstance(tool_choice, dict) or tool_choice.get("type", "function") != "function":
+        raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
+                            "{\"name\": ...}}", param="tool_choice")
+    name = (tool_choice.get("function") or {}).get("name")
+    if name not in names:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not among the offered tools", param="tool_choice")
+    return name
+
+
+async def _pick_function(api: Api, prompt: list[int], names: list[str], rid: str) -> str:
+    """`tool_choice: "required"` among several functions: the name the model itself finds most likely after
+    `<tool_call>{"name": "`, by the summed log-probabilities of its tokens."""
+    tok = api.tokenizer
+    suffixes = [tok(f'{NAME_START}{n}"', add_special_tokens=False)["input_ids"] for n in names]
+    shared = 0
+    while all(len(x) > shared and x[shared] == suffixes[0][shared] for x in suffixes):
+        shared += 1
+    score = SamplingParams(max_tokens=0, prompt_logprobs=0)
+
+    async def total(k: int, suffix: list[int]) -> float:
+        ids = prompt + suffix
+        api.budget(ids, 0)
+        async for out in api.engine.generate(f"{rid}-pick-{k}", ids, score):
+            if out.finished:
+                return sum(s.logprob for s in out.prompt_samples[len(prompt) + shared - 1 :])
+        return float("-inf")
+
+    scores = await asyncio.gather(*(total(k, x) for k, x in enumerate(suffixes)))
+    return names[max(range(len(names)), key=scores.__getitem__)]
+
+
+def _forced_call(name: str, arguments: str) -> list[dict]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}]
+
+
+def _forced_reason(out: RequestOutput) -> str:
+    return "tool_calls" if out.finish_reason == "stop" else out.finish_reason
 
 
 def _may_be_call(text: str) -> bool:
