@@ -3,7 +3,7 @@ main thread steps the engine.
 
 On SIGINT/SIGTERM uvicorn stops accepting connections and lets in-flight requests finish for up to
 `drain_seconds` (the engine keeps stepping meanwhile); whatever is still running after that ends as
-aborted, and the process exits 0.
+aborted, and the process exits 0. A second signal skips the drain.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def serve(path: Path, engine_cfg: EngineConfig, cfg: ServerConfig, host: str = "
         finally:
             engine.shutdown()  # the HTTP side is done (drained, or failed to start): stop stepping
 
-    def stop(*_) -> None:
+    def stop(*_) -> None:  # the first signal drains; a second one stops at once
+        server.force_exit = server.should_exit
         server.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):
