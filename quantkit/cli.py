@@ -240,6 +240,8 @@ def serve(
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, bf16, fp16, fp32."),
     kernel: str = typer.Option("auto", "--kernel", help="auto (triton on CUDA, packed on CPU), packed, dense, reference or triton."),
     drain_seconds: int = typer.Option(30, "--drain-seconds", help="On SIGINT/SIGTERM, let in-flight requests finish this long, then abort them."),
+    lm_head: str = typer.Option("auto", "--lm-head", help="auto (the checkpoint's weights) or int8 (quantized per row at load: "
+                                "faster decode, slightly different logits)."),
     debug: bool = DEBUG,
 ) -> None:
     """Serve a checkpoint with an OpenAI-compatible API (chat, completions, streaming, tools) on quantkit's engine."""
@@ -258,7 +260,7 @@ def serve(
     name = served_model_name or (model if not Path(model).exists() else Path(model).resolve().name)
     memory = None if kv_cache_memory is None else int(kv_cache_memory * 2**30)
     engine_cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, kernel=kernel,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, lm_head=lm_head)
     _port_free(host, port)
     run(path, engine_cfg, ServerConfig(name, api_key, max_waiting), host, port, drain_seconds, announce=ui.note)
 
@@ -291,6 +293,7 @@ def bench(
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto, bf16, fp16, fp32."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto, fp8, bf16, fp16, fp32."),
     kernel: str = typer.Option("auto", "--kernel", help="auto (triton on CUDA, packed on CPU), packed, dense, reference or triton."),
+    lm_head: str = typer.Option("auto", "--lm-head", help="Offline: auto (the checkpoint's) or int8 (quantized per row at load)."),
     hf: bool = typer.Option(False, "--hf", help="Also run HF transformers generate on the same workload."),
     llama_cpp: Path | None = typer.Option(None, "--llama-cpp", help="Also run this GGUF in llama.cpp (llama-cpp-python)."),
     model: str | None = typer.Option(None, "--model", help="URL mode: the model name to send.  [default: the first in GET /v1/models]"),
@@ -346,7 +349,7 @@ def bench(
         w = Workload(b, input_len, output_len)
         with ui.step(f"quantkit engine, batch {b}"):
             engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
-                                                  max_num_batched_tokens=max(2048, input_len)))
+                                                  max_num_batched_tokens=max(2048, input_len), lm_head=lm_head))
             ui.note(engine.describe())
             prompts = prompts_for(engine.tokenizer, w)  # the same token ids for every system
             run_engine(engine, Workload(1, 8, 2), [prompts[0][:8]])  # warm-up
@@ -379,7 +382,13 @@ def _bench_url(cfg, sweep: str | None, plot: Path | None, tokenizer: str, as_jso
     import dataclasses
 
     from quantkit import QuantkitError
-    from quantkit.bench.loadgen import base_url, file_prompts, plot_sweep, random_prompts, run_load
+    from quantkit.bench.loadgen import (
+        base_url,
+        file_prompts,
+        plot_sweep,
+        random_prompts,
+        run_load,
+    )
     from quantkit.models import load_tokenizer, resolve
 
     base_url(cfg.url)
@@ -416,7 +425,7 @@ def _bench_url(cfg, sweep: str | None, plot: Path | None, tokenizer: str, as_jso
         return
     table = Table("concurrency", "ok", "failed", "req/s", "output tok/s", "TTFT mean / p50 / p99 ms", "TPOT mean / p50 / p99 ms",
                   "ITL mean / p50 / p99 ms", "E2E mean ms", title=f"{cfg.url}: {len(prompts)} requests per level", title_justify="left")
-    fmt = lambda d: f"{d['mean']:.0f} / {d['p50']:.0f} / {d['p99']:.0f}"  # noqa: E731
+    fmt = lambda d: f"{d['mean']:.0f} / {d['p50']:.0f} / {d['p99']:.0f}"
     for s in summaries:
         table.add_row(str(s.concurrency or "all"), str(s.completed), str(s.failed), f"{s.request_throughput:.2f}",
                       f"{s.output_throughput:.1f}", fmt(s.ttft_ms), fmt(s.tpot_ms), fmt(s.itl_ms), f"{s.e2el_ms['mean']:.0f}")

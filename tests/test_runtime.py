@@ -220,3 +220,19 @@ def test_json_prefix_automaton():
         state = JsonPrefix().feed(doc)
         assert state is None or not state.complete, doc
     assert not JsonPrefix().feed('{"a": 12').complete
+
+
+@pytest.mark.integration
+def test_int8_lm_head_is_opt_in_and_close(smollm2_dir):
+    from quantkit.calib.data import eval_rows
+    from quantkit.runtime.layers.attention import Batch
+
+    engines = {h: LLMEngine(smollm2_dir, EngineConfig(dtype="bf16", kv_cache_memory=64 << 20, lm_head=h)) for h in ("auto", "int8")}
+    assert engines["auto"].model.lm_head.mode == "dense" and engines["int8"].model.lm_head.mode == "int8"
+    assert engines["auto"].model.lm_head.weight.data_ptr() == engines["auto"].model.embed.data_ptr()  # tied: no copy
+    rows = eval_rows(engines["auto"].tokenizer, 256, 4)
+    lp = {h: torch.cat([e.model(Batch.single(r, 16, all_logits=True), e.cache).log_softmax(-1) for r in rows]) for h, e in engines.items()}
+    kl = (lp["auto"].exp() * (lp["auto"] - lp["int8"])).sum(-1)
+    assert 0 < kl.mean().item() < 0.02 and (lp["auto"].argmax(-1) == lp["int8"].argmax(-1)).float().mean() > 0.9
+    with pytest.raises(QuantkitError, match="lm_head"):
+        LLMEngine(smollm2_dir, EngineConfig(lm_head="int4"))

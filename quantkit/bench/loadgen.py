@@ -116,7 +116,7 @@ async def discover_model(client, url: str) -> str:
         r = await client.get(url + "/models")
         r.raise_for_status()
         return r.json()["data"][0]["id"]
-    except Exception as e:  # noqa: BLE001  any failure here means the same thing to the user
+    except Exception as e:
         raise QuantkitError(f"{url}/models: cannot read the served model ({type(e).__name__}: {e}); pass --model") from None
 
 
@@ -158,7 +158,7 @@ async def one_request(client, url: str, cfg: LoadConfig, model: str, prompt: str
                     else:
                         result.itl.append(now - last)
                     last, chunks = now, chunks + 1
-    except Exception as e:  # noqa: BLE001  a failed request is a result, not the end of the run
+    except Exception as e:
         result.error = f"{type(e).__name__}: {e}"[:200]
         return result
     result.latency = time.perf_counter() - start
@@ -202,7 +202,7 @@ async def run_load(cfg: LoadConfig, prompts: list[tuple[str, int, int]], progres
 
 def summarize(cfg: LoadConfig, results: list[RequestResult], duration: float) -> Summary:
     ok = [r for r in results if r.ok]
-    stats = lambda xs: {"mean": float(np.mean(xs)) * 1e3 if xs else 0.0,  # noqa: E731
+    stats = lambda xs: {"mean": float(np.mean(xs)) * 1e3 if xs else 0.0,
                         **{f"p{q}": float(np.percentile(xs, q)) * 1e3 if xs else 0.0 for q in (50, 90, 99)}}
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)

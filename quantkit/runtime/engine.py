@@ -43,6 +43,7 @@ class EngineConfig:
     prefix_caching: bool = True
     kernel: str = "auto"  # auto (triton on CUDA, packed on CPU) | packed | dense | reference | triton
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    lm_head: str = "auto"  # auto (the checkpoint's weights) | int8 (quantized per row at load: faster, changes logits)
 
 
 @dataclass(slots=True)
@@ -71,7 +72,9 @@ class LLMEngine:
         self.path = Path(path)
         hf = json.loads((self.path / "config.json").read_text())
         self.dtype = _compute_dtype(cfg.dtype, hf)
-        self.model = LlamaModel(self.path, self.dtype, cfg.kernel, cfg.device)
+        if cfg.lm_head not in ("auto", "int8"):
+            raise QuantkitError(f"lm_head {cfg.lm_head}: use auto or int8")
+        self.model = LlamaModel(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head)
         m = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _tokenizer(self.path)
         self.eos = _eos_ids(self.path, self.tokenizer)
