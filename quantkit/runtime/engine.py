@@ -93,6 +93,11 @@ class LLMEngine:
         self._pieces: dict[int, str] = {}
         logging.getLogger("quantkit.runtime").info(self.describe())
 
+    @property
+    def max_len(self) -> int:
+        """Tokens one sequence may reach: the model's context, or the whole KV cache if that is smaller."""
+        return min(self.context_length, self.cache.tokens)
+
     def describe(self) -> str:
         """What fits: the KV cache's size in tokens, blocks, dtype and bytes (reported at start)."""
         spec = self.cache.spec
@@ -106,7 +111,7 @@ class LLMEngine:
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise QuantkitError("empty prompt")
-        limit = min(self.context_length, self.cache.tokens)
+        limit = self.max_len
         if len(ids) >= limit:
             raise QuantkitError(f"prompt of {len(ids)} tokens does not fit: the limit is {limit - 1} "
                                 f"(context {self.context_length}, KV cache {self.cache.tokens} tokens)")
@@ -210,7 +215,7 @@ class LLMEngine:
                 if (at := seq.text.find(stop, max(len(before) - len(stop), 0))) >= 0:
                     seq.text, reason = seq.text[:at], "stop"
                     break
-            if reason is None and (len(seq.output) >= p.max_tokens or len(seq) >= min(self.context_length, self.cache.tokens)):
+            if reason is None and (len(seq.output) >= p.max_tokens or len(seq) >= self.max_len):
                 reason = "length"
         if reason:
             self.scheduler.finish(seq, reason)

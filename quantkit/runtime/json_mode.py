@@ -41,7 +41,7 @@ class JsonPrefix:
 
     @property
     def complete(self) -> bool:
-        return self.mode == "done" or (self.mode == "number" and not self.stack and _number_ends(self.number))
+        return self.mode == "done"  # the top level is an object, so only its closing brace completes it
 
     def feed(self, text: str) -> JsonPrefix | None:
         """The state after `text`, or None if no valid JSON object starts with what came so far plus it."""
@@ -73,12 +73,12 @@ class JsonPrefix:
                 return replace(self, number=self.number + ch)
             if not _number_ends(self.number):
                 return None
-            return replace(self, mode="after" if self.stack else "done", number="")._step(ch)
+            return replace(self, mode="after", number="")._step(ch)  # numbers only stand inside the object
         if m == "literal":
             if ch != self.literal[0]:
                 return None
             rest = self.literal[1:]
-            return replace(self, literal=rest) if rest else replace(self, mode="after" if self.stack else "done", literal="")
+            return replace(self, literal=rest) if rest else replace(self, mode="after", literal="")
         if ch in WS:
             return replace(self, spaces=self.spaces + 1) if self.spaces < MAX_SPACES and m != "done" else None
         s = replace(self, spaces=0)

@@ -68,7 +68,7 @@ class Api:
         self.engine, self.cfg = engine, cfg
         core = engine.engine
         self.tokenizer = core.tokenizer
-        self.limit = min(core.context_length, core.cache.tokens)  # tokens a sequence may reach
+        self.limit = core.max_len  # tokens a sequence may reach
         self.defaults = _generation_defaults(core.path)
         self.created = int(time.time())
         self.rejected = 0
