@@ -74,3 +74,77 @@ def test_int4_dequant_from_packed_words_equals_reference(sym):
     for dtype in (torch.float32, torch.bfloat16):
         want = reference.dequant_linear(eye, q, scale, zp).T.to(dtype)
         assert torch.equal(cpu.dequant_int4(pack_int32(q, 4, dim=1), scale, zp, 128, dtype), want)
+
+
+# --- the fused CPU decode ops (kernels/fused.py): each against the PyTorch chain it replaces ----------------
+
+def fused_ops():
+    from quantkit.kernels.fused import ops
+
+    m = ops()
+    if m is None:
+        pytest.skip("the fused CPU kernels could not be built here (no C++ compiler)")
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_norm_rope_silu_equal_the_pytorch_chains(dtype):
+    from quantkit.runtime.layers.basic import RMSNorm, apply_rotary
+
+    m = fused_ops()
+    gen = torch.Generator().manual_seed(4)
+    x, r = torch.randn(5, 576, generator=gen).to(dtype), torch.randn(5, 576, generator=gen).to(dtype)
+    norm = RMSNorm(torch.randn(576, generator=gen), 1e-5, dtype)
+    gate_up = (torch.randn(5, 3072, generator=gen) * 4).to(dtype)
+    qkv = torch.randn(5, 15, 64, generator=gen).to(dtype)
+    cos, sin = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
+    total, normed = m.add_rms_norm(x, r, norm.weight, 1e-5)
+    rotated = qkv.clone()
+    m.rope_(rotated, cos, sin, 12)  # the 12 query and key heads; the 3 value heads stay
+    gate, up = gate_up.chunk(2, dim=-1)
+    exact = [(m.rms_norm(x, norm.weight, 1e-5), norm(x)), (total, x + r), (normed, norm(x + r)),
+             (rotated[:, :12], apply_rotary(qkv[:, :12], cos, sin)), (rotated[:, 12:], qkv[:, 12:])]
+    silu = (m.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    if dtype == torch.float32:  # float32 sums and exp in another order: equal to a few ulp
+        for got, want in exact + [silu]:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:  # the half-precision roundings are the chain's own: equal to the bit (SiLU's exp differs: a rare ulp)
+        for got, want in exact:
+            assert torch.equal(got, want)
+        assert (silu[0] != silu[1]).float().mean() < 1e-3 and torch.allclose(silu[0].float(), silu[1].float(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False), (torch.float32, True)])
+def test_fused_paged_decode_attention_matches_reference(dtype, fp8):
+    """Several sequences of different lengths over scattered blocks: the store equals the reference's (FP8 bytes
+    included) and the attention output the reference's over the gathered, dequantised context."""
+    m = fused_ops()
+    gen = torch.Generator().manual_seed(5)
+    blocks, bs, kv_heads, heads, d = 40, 16, 3, 9, 64
+    ks = torch.tensor([0.02, 0.05, 0.03]) if fp8 else torch.ones(3)
+    vs = torch.tensor([0.04, 0.01, 0.03]) if fp8 else torch.ones(3)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    kc = (torch.randn(blocks, bs, kv_heads, d, generator=gen) * 0.05 / ks.view(-1, 1)).to(cache_dtype)
+    vc = (torch.randn(blocks, bs, kv_heads, d, generator=gen) * 0.05 / vs.view(-1, 1)).to(cache_dtype)
+    lengths = torch.tensor([1, 17, 50, 127])
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:8] for _ in lengths])
+    slots = torch.stack([tables[i, (n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lengths.tolist())])
+    qkv = torch.randn(4, heads + 2 * kv_heads, d, generator=gen).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]  # strided views, as the model passes them
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = m.decode_attention(q, k, v, kc2, vc2, slots, tables, lengths, ks, vs)
+
+    for cache, new, scale in ((kc, k, ks), (vc, v, vs)):
+        flat = cache.view(-1, kv_heads, d)
+        flat[slots] = reference.quantize_fp8(new, scale.view(-1, 1)) if fp8 else new
+    assert torch.equal(kc2.view(torch.uint8), kc.view(torch.uint8)) and torch.equal(vc2.view(torch.uint8), vc.view(torch.uint8))
+
+    def context(cache, scale):  # [S, 8 * bs, kv_heads, d] float32
+        c = cache[tables].view(len(lengths), -1, kv_heads, d)
+        return reference.dequantize_fp8(c, scale.view(-1, 1), torch.float32) if fp8 else c.float()
+
+    want = reference.decode_attention(q.float(), context(kc, ks), context(vc, vs), lengths)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(out.float(), want, atol=tol), (out.float() - want).abs().max()
+    empty = q.new_empty(0)  # keys already stored: attend only
+    assert torch.equal(m.decode_attention(q, empty, empty, kc2, vc2, slots, tables, lengths, ks, vs), out)

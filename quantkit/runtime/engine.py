@@ -44,6 +44,7 @@ class EngineConfig:
     kernel: str = "auto"  # auto (triton on CUDA, packed on CPU) | packed | dense | reference | triton
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     lm_head: str = "auto"  # auto (the checkpoint's weights) | int8 (quantized per row at load: faster, changes logits)
+    fused: bool = True  # CPU kernels: the fused C++ decode ops (kernels/fused.py), when a compiler can build them here
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class LLMEngine:
         self.dtype = _compute_dtype(cfg.dtype, hf)
         if cfg.lm_head not in ("auto", "int8"):
             raise QuantkitError(f"lm_head {cfg.lm_head}: use auto or int8")
-        self.model = LlamaModel(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head)
+        self.model = LlamaModel(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
         m = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _tokenizer(self.path)
         self.eos = _eos_ids(self.path, self.tokenizer)
@@ -103,7 +104,8 @@ class LLMEngine:
         spec = self.cache.spec
         dtype = "fp8 e4m3" if self.cache.fp8 else str(spec.dtype).removeprefix("torch.")
         return (f"KV cache: {self.cache.tokens:,} tokens ({self.cache.num_blocks:,} blocks of {spec.block_size}, {dtype}, "
-                f"{self.cache.num_blocks * spec.bytes_per_block / 2**20:,.0f} MiB); kernels: {self.cfg.kernel} on {self.cfg.device}")
+                f"{self.cache.num_blocks * spec.bytes_per_block / 2**20:,.0f} MiB); kernels: {self.cfg.kernel}"
+                f"{' + fused' if self.model.fused else ''} on {self.cfg.device}")
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:

@@ -40,6 +40,10 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.fp8 = spec.dtype == torch.float8_e4m3fn
         self.scales = scales  # per layer (k_scale, v_scale), float32, broadcastable to [.., kv_heads, head_dim]
+        ones = torch.ones(spec.kv_heads, device=device)
+        # the same per KV head [kv_heads] (ones without scales), as the fused CPU attention reads them
+        self.head_scales = [(ones, ones)] * spec.num_layers if not self.fp8 else [
+            tuple(s.float().reshape(-1).expand(spec.kv_heads).contiguous() for s in pair) for pair in scales]
 
     @property
     def tokens(self) -> int:

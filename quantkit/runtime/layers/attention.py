@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from quantkit.kernels import cpu, reference
+from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.kv_cache import KVCache
 
 
@@ -49,11 +50,18 @@ class Batch:
         return cls(tokens, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // block_size)))], wanted)
 
 
-def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache, kernel: str) -> Tensor:
+def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache, kernel: str,
+                    fused: bool = False) -> Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> [T, heads, d].
 
     Prefill chunks gather their context and attend with SDPA (or the reference); decodes attend all at once,
-    on the Triton path reading the paged blocks in place (after a store that quantises on write)."""
+    on the Triton path and the fused CPU op reading the paged blocks in place (after a store that quantises on
+    write; the fused op stores a pure-decode batch's keys itself)."""
+    d = batch.decodes
+    if fused and d is not None and not batch.seqs:
+        ks, vs = cache.head_scales[layer]
+        return fused_kernels.ops().decode_attention(q, k, v, cache.k[layer], cache.v[layer], batch.slots, d.tables,
+                                                    d.lengths, ks, vs)
     if kernel == "triton":
         from quantkit.kernels.triton.attention import paged_decode_attention, store_kv
 
@@ -62,7 +70,6 @@ def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, c
         store_kv(v, cache.v[layer], batch.slots, scales[1])
     else:
         cache.store(layer, batch.slots, k, v)
-    d = batch.decodes
     pure = not batch.seqs  # every token is a decode, in batch order: no scatter into `out`
     out = None if pure else torch.empty_like(q)
     attend = reference.attention if kernel == "reference" else cpu.attention
@@ -72,7 +79,12 @@ def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, c
     if d is None:
         return out
     qd = q if pure else q[d.rows]
-    if kernel == "triton":
+    if fused:
+        ks, vs = cache.head_scales[layer]
+        empty = q.new_empty(0)  # stored above
+        a = fused_kernels.ops().decode_attention(qd, empty, empty, cache.k[layer], cache.v[layer], batch.slots, d.tables,
+                                                 d.lengths, ks, vs)
+    elif kernel == "triton":
         a = paged_decode_attention(qd, cache.k[layer], cache.v[layer], d.tables, d.lengths, *scales)
     else:
         keys, values = cache.gather_padded(layer, d.tables)  # [D, max_blocks * block_size, kv_heads, d]

@@ -21,9 +21,10 @@ from quantkit.formats.load import (
     scheme_for,
     unpacked_module,
 )
+from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch, paged_attention
-from quantkit.runtime.layers.basic import RMSNorm, Rotary, apply_rotary
+from quantkit.runtime.layers.basic import RMSNorm, Rotary, rotate_heads, silu_mul
 from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse, to_device
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -73,10 +74,10 @@ class Weights:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, w: Weights, i: int, cfg: ModelConfig, dtype: torch.dtype, kernel: str):
+    def __init__(self, w: Weights, i: int, cfg: ModelConfig, dtype: torch.dtype, kernel: str, fused: bool):
         super().__init__()
         p = f"model.layers.{i}"
-        self.index, self.cfg, self.kernel = i, cfg, kernel
+        self.index, self.cfg, self.kernel, self.fused = i, cfg, kernel, fused
         attn = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
         biases = [w.get(f"{m}.bias") for m in attn]
         self.qkv = Linear(fuse([w.linear(m) for m in attn]), torch.cat(biases) if all(b is not None for b in biases) else None,
@@ -85,8 +86,8 @@ class DecoderLayer(nn.Module):
         self.gate_up = Linear(fuse([w.linear(f"{p}.mlp.gate_proj"), w.linear(f"{p}.mlp.up_proj")]), None, dtype, kernel)
         self.down = Linear(w.linear(f"{p}.mlp.down_proj"), None, dtype, kernel)
         eps = cfg.rms_norm_eps
-        self.input_norm = RMSNorm(w.tensor(f"{p}.input_layernorm.weight"), eps, dtype)
-        self.post_norm = RMSNorm(w.tensor(f"{p}.post_attention_layernorm.weight"), eps, dtype)
+        self.input_norm = RMSNorm(w.tensor(f"{p}.input_layernorm.weight"), eps, dtype, fused)
+        self.post_norm = RMSNorm(w.tensor(f"{p}.post_attention_layernorm.weight"), eps, dtype, fused)
         qn, kn = w.get(f"{p}.self_attn.q_norm.weight"), w.get(f"{p}.self_attn.k_norm.weight")
         self.q_norm = None if qn is None else RMSNorm(qn, eps, dtype)
         self.k_norm = None if kn is None else RMSNorm(kn, eps, dtype)
@@ -98,20 +99,17 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(h).view(t, heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        else:
-            qk, v = qkv[:, : heads - cfg.num_kv_heads], qkv[:, heads - cfg.num_kv_heads :]
-        qk = apply_rotary(qk, cos, sin)  # queries and keys rotated in one pass
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-        a = paged_attention(self.index, q, k, v, batch, cache, self.kernel)
-        x = x + self.o(a.reshape(t, -1))
-        h = self.post_norm(x)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(torch.nn.functional.silu(gate) * up)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)
+        qk = rotate_heads(qkv, heads - cfg.num_kv_heads, cos, sin, self.fused)  # queries and keys rotated in one pass
+        q, k, v = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], qkv[:, heads - cfg.num_kv_heads :]
+        a = paged_attention(self.index, q, k, v, batch, cache, self.kernel, self.fused)
+        x, h = self.post_norm.add(x, self.o(a.reshape(t, -1)))
+        return x + self.down(silu_mul(self.gate_up(h), self.fused))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, path: Path, dtype: torch.dtype, kernel: str = "packed", device: str = "cpu", lm_head: str = "auto"):
+    def __init__(self, path: Path, dtype: torch.dtype, kernel: str = "packed", device: str = "cpu", lm_head: str = "auto",
+                 fused: bool = True):
         super().__init__()
         from transformers import AutoConfig
 
@@ -121,9 +119,11 @@ class LlamaModel(nn.Module):
         self.cfg = cfg = ModelConfig.from_hf(hf)
         self.dtype = dtype
         w = Weights(path)
+        # the fused CPU ops serve the CPU kernels; "reference" stays pure PyTorch (the oracle), the GPU has Triton
+        self.fused = fused and kernel in ("packed", "dense") and device == "cpu" and fused_kernels.ops() is not None
         self.embed = w.tensor("model.embed_tokens.weight").to(dtype)
-        self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, dtype, kernel) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, dtype, kernel, self.fused) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype, self.fused)
         head = w.get("lm_head.weight")
         head = self.embed if head is None or cfg.tie_word_embeddings else head
         self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel)

@@ -1,0 +1,346 @@
+// Fused CPU ops for the decode step: each replaces a chain of small PyTorch ops whose per-call overhead
+// (5-30 us each, ~10 per layer) dominates a single-stream token on CPU once the weights are 4-bit.
+//
+// Every op computes as the PyTorch chain it replaces: float32 math, rounding to the activation dtype
+// wherever that chain rounds (HF transformers' order), so bf16 results match it to the last bit except
+// where a float32 reduction's order differs. Built once per machine by quantkit/kernels/fused.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f(T x) { return static_cast<float>(x); }
+
+// Rows are independent; parallelise only when there is enough work to pay for waking a thread.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
+
+// exp(x) for x in [-87, 88] (Cephes' expf polynomial: within 2 ulp), scalar and 16 lanes at a time.
+inline float fast_exp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// sum_j a[j] * b[j]
+inline float dot(const float* a, const float* b, int64_t n) {
+  float total = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < n; ++j) total += a[j] * b[j];
+  return total;
+}
+
+// y += p * x
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + j), _mm512_loadu_ps(y + j)));
+#endif
+  for (; j < n; ++j) y[j] += p * x[j];
+}
+
+// x[j] = exp(x[j] - shift); returns their sum
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  float total = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 sv = _mm512_set1_ps(shift);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), sv));
+    _mm512_storeu_ps(x + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < n; ++j) total += (x[j] = fast_exp(x[j] - shift));
+  return total;
+}
+
+// x[j] = silu(x[j]) = x / (1 + exp(-x))
+inline void silu_inplace(float* x, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    _mm512_storeu_ps(x + j, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+  }
+#endif
+  for (; j < n; ++j) x[j] = x[j] / (1.f + fast_exp(-x[j]));
+}
+
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = f(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+// A cache row of n elements -> float times `scale` (1 unless FP8), in loops the compiler vectorises.
+inline void read_row(const float* src, float* dst, int64_t n, float scale) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = src[j] * scale;
+}
+inline void read_row(const c10::BFloat16* src, float* dst, int64_t n, float scale) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[j]) << 16) * scale;
+}
+template <typename T>  // fp16, fp64
+inline void read_row(const T* src, float* dst, int64_t n, float scale) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = f(src[j]) * scale;
+}
+inline void read_row(const c10::Float8_e4m3fn* src, float* dst, int64_t n, float scale) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
+  const float* table = fp8_table();
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = table[codes[j]] * scale;
+}
+
+// out[i] = w * round(x[i] * rsqrt(mean(x[i]^2) + eps)), optionally after x[i] += r[i] (stored to sum).
+template <typename T>
+void rms_norm_rows(const T* x, const T* r, T* sum, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+    std::vector<float> h(n);
+    for (int64_t i = b; i < e; ++i) {
+      const T* xi = x + i * n;
+      for (int64_t j = 0; j < n; ++j) h[j] = r ? f(T(f(xi[j]) + f(r[i * n + j]))) : f(xi[j]);
+      if (sum)
+        for (int64_t j = 0; j < n; ++j) sum[i * n + j] = T(h[j]);
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < n; ++j) ss += h[j] * h[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* oi = out + i * n;
+      for (int64_t j = 0; j < n; ++j) oi[j] = T(f(w[j]) * f(T(h[j] * inv)));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm: contiguous x, w of one dtype");
+  auto out = at::empty_like(x);
+  const int64_t n = x.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            x.numel() / n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (x + r, rms_norm(x + r)): the residual add and the next norm in one pass.
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && r.is_contiguous() && w.is_contiguous() && x.sizes() == r.sizes(), "add_rms_norm: contiguous x, r of one shape");
+  TORCH_CHECK(x.scalar_type() == r.scalar_type() && x.scalar_type() == w.scalar_type(), "add_rms_norm: one dtype");
+  auto sum = at::empty_like(x), out = at::empty_like(x);
+  const int64_t n = x.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.numel() / n, n, static_cast<float>(eps));
+  });
+  return {sum, out};
+}
+
+// In place on the first `heads` heads of x [T, H, D]: x*cos + rotate_half(x)*sin, each product rounded as HF's chain
+// rounds it; cos/sin [T, D] with the two halves repeated.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_: x [T, H, D] with contiguous rows");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type(), "rope_: cos/sin [T, D] in x's dtype");
+  const int64_t t = x.size(0), d = x.size(2), half = d / 2, stride = x.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_", [&] {
+    scalar_t* base = x.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, t * heads, grain(d), [&](int64_t b, int64_t e) {
+      std::vector<float> v(d);
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t tok = i / heads;
+        scalar_t* row = base + tok * stride + (i % heads) * d;
+        const scalar_t* ci = c + tok * d;
+        const scalar_t* si = s + tok * d;
+        for (int64_t j = 0; j < d; ++j) v[j] = f(row[j]);
+        for (int64_t j = 0; j < d; ++j) {
+          const float rot = j < half ? -v[j + half] : v[j - half];
+          row[j] = scalar_t(f(scalar_t(v[j] * f(ci[j]))) + f(scalar_t(rot * f(si[j]))));
+        }
+      }
+    });
+  });
+}
+
+// silu(gate) * up for gu [T, 2I] = [gate | up] -> [T, I]; silu rounded before the product, as HF's MLP does.
+template <typename T>
+void silu_mul_rows(const T* g, T* o, int64_t t, int64_t inter) {
+  at::parallel_for(0, t, grain(inter), [&](int64_t b, int64_t e) {
+    std::vector<float> gate_buf(inter), up_buf(inter);
+    float* gate = gate_buf.data();
+    float* up = up_buf.data();
+    for (int64_t i = b; i < e; ++i) {
+      read_row(g + i * 2 * inter, gate, inter, 1.f);
+      read_row(g + i * 2 * inter + inter, up, inter, 1.f);
+      silu_inplace(gate, inter);
+      for (int64_t j = 0; j < inter; ++j) o[i * inter + j] = T(f(T(gate[j])) * up[j]);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.is_contiguous() && gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul: contiguous [T, 2I]");
+  const int64_t t = gu.size(0), inter = gu.size(1) / 2;
+  auto out = at::empty({t, inter}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), t, inter);
+  });
+  return out;
+}
+
+// Store each sequence's new key/value (FP8: x / scale saturated at 448, as reference.quantize_fp8), then attend its
+// single query over its `lengths[s]` keys, reading the paged blocks in place.
+template <typename T, typename C>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc,
+                           const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths, const at::Tensor& ks,
+                           const at::Tensor& vs, at::Tensor& out) {
+  const int64_t s_n = q.size(0), hq = q.size(1), d = q.size(2), hk = kc.size(2), block = kc.size(1);
+  const int64_t group = hq / hk, max_blocks = tables.size(1);
+  const float* kscale = ks.data_ptr<float>();
+  const float* vscale = vs.data_ptr<float>();
+  C* kcache = kc.data_ptr<C>();
+  C* vcache = vc.data_ptr<C>();
+  if (k.numel()) {  // the store: one slot per sequence
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const T* kp = k.data_ptr<T>();
+    const T* vp = v.data_ptr<T>();
+    for (int64_t s = 0; s < s_n; ++s)
+      for (int64_t h = 0; h < hk; ++h)
+        for (int64_t j = 0; j < d; ++j) {
+          const int64_t dst = (slot[s] * hk + h) * d + j;
+          const float kv[2] = {f(kp[s * k.stride(0) + h * k.stride(1) + j * k.stride(2)]),
+                               f(vp[s * v.stride(0) + h * v.stride(1) + j * v.stride(2)])};
+          if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+            kcache[dst] = C(std::clamp(kv[0] / kscale[h], -448.f, 448.f));
+            vcache[dst] = C(std::clamp(kv[1] / vscale[h], -448.f, 448.f));
+          } else {
+            kcache[dst] = C(kv[0]);
+            vcache[dst] = C(kv[1]);
+          }
+        }
+  }
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const float sm_scale = 1.f / std::sqrt(static_cast<float>(d));
+  int64_t longest = 1;
+  for (int64_t s = 0; s < s_n; ++s) longest = std::max(longest, len[s]);
+  // a thread per task only when tasks are long: waking one costs more than a short sequence's whole attention
+  at::parallel_for(0, s_n * hk, std::max<int64_t>(1, 4096 / longest), [&](int64_t b, int64_t e) {
+    std::vector<float> qf(group * d), kf(d), acc(group * d), scores;
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t s = i / hk, h = i % hk, n = len[s];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < d; ++j) qf[g * d + j] = f(qp[s * q.stride(0) + (h * group + g) * q.stride(1) + j]);
+      scores.assign(group * n, 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += block) {  // block by block: no division per key
+        const int64_t first = table[s * max_blocks + t0 / block] * block;
+        for (int64_t t = t0; t < std::min(n, t0 + block); ++t) {
+          read_row(kcache + ((first + t - t0) * hk + h) * d, kf.data(), d, kscale[h]);
+          for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(qf.data() + g * d, kf.data(), d) * sm_scale;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax
+        float* sg = scores.data() + g * n;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+        const float inv = 1.f / exp_shifted(sg, n, mx);
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += block) {
+        const int64_t first = table[s * max_blocks + t0 / block] * block;
+        for (int64_t t = t0; t < std::min(n, t0 + block); ++t) {
+          read_row(vcache + ((first + t - t0) * hk + h) * d, kf.data(), d, vscale[h]);
+          for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], kf.data(), acc.data() + g * d, d);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < d; ++j) op[(s * hq + h * group + g) * d + j] = T(acc[g * d + j]);
+    }
+  });
+}
+
+// q [S, Hq, D] (rows may be strided); k, v [S, Hk, D] new keys/values (or empty: already stored); caches [blocks, block_size, Hk, D];
+// slots [S], tables [S, max_blocks], lengths [S] int64; ks, vs [Hk] float32 (ones for an unscaled cache) -> [S, Hq, D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kc, at::Tensor vc,
+                            const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths, const at::Tensor& ks,
+                            const at::Tensor& vs) {
+  TORCH_CHECK(q.stride(2) == 1 && kc.is_contiguous() && vc.is_contiguous() && tables.is_contiguous(), "decode_attention: contiguous q rows, caches, tables");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && slots.scalar_type() == at::kLong, "decode_attention: int64 indices");
+  TORCH_CHECK(ks.scalar_type() == at::kFloat && vs.scalar_type() == at::kFloat && ks.numel() == kc.size(2), "decode_attention: float32 scales per KV head");
+  TORCH_CHECK(q.size(1) % kc.size(2) == 0 && q.size(2) == kc.size(3), "decode_attention: head shapes");
+  TORCH_CHECK(k.numel() == 0 || (k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()), "decode_attention: k/v in q's dtype");
+  auto out = at::empty(q.sizes(), q.options());
+  const bool fp8 = kc.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || kc.scalar_type() == q.scalar_type(), "decode_attention: cache in q's dtype or float8_e4m3fn");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    if (fp8)
+      decode_attention_impl<scalar_t, c10::Float8_e4m3fn>(q, k, v, kc, vc, slots, tables, lengths, ks, vs, out);
+    else
+      decode_attention_impl<scalar_t, scalar_t>(q, k, v, kc, vc, slots, tables, lengths, ks, vs, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rope_", &rope_);
+  m.def("silu_mul", &silu_mul);
+  m.def("decode_attention", &decode_attention);
+}

@@ -1,0 +1,55 @@
+"""Fused CPU ops for the decode step (csrc/fused.cpp), compiled once per machine on first use.
+
+A single-stream CPU token with 4-bit weights is mostly per-op overhead: ~10 small PyTorch ops a layer
+(norms, rotary, KV gathers and casts, softmax, SiLU) at 5-30 us each. These ops do each chain in one call
+and read the paged KV cache in place. They need a C++ compiler; without one (or with QUANTKIT_FUSED=0)
+`ops()` is None and the runtime keeps its PyTorch path, after saying so once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]  # no FMA contraction: products round as PyTorch's do
+
+
+def _build_dir() -> Path:
+    """Per CPU (the build is -march=native), torch version and source: a shared home never mixes machines."""
+    flags = ""
+    if Path("/proc/cpuinfo").exists():
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    from quantkit.models import cache_dir
+
+    key = hashlib.sha256("\n".join([flags, torch.__version__, SOURCE.read_text(), *FLAGS]).encode()).hexdigest()[:16]
+    root = cache_dir() / "kernels" / key
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@functools.cache
+def ops():
+    """The compiled module, or None when it cannot be built here (reported once on stderr)."""
+    if os.environ.get("QUANTKIT_FUSED", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = _build_dir()
+        venv_bin = str(Path(sys.executable).parent)  # where pip puts `ninja`, which the build runs
+        if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+        if not any(build.glob("*.so")):
+            print("quantkit: compiling fused CPU kernels (once per machine, ~1 min)", file=sys.stderr, flush=True)
+        return load("quantkit_fused", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build), verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path still works
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        reason = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]
+        print(f"quantkit: fused CPU kernels unavailable ({reason}); decoding with PyTorch ops instead", file=sys.stderr)
+        return None
