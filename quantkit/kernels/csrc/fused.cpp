@@ -276,39 +276,41 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const float sm_scale = 1.f / std::sqrt(static_cast<float>(d));
   int64_t longest = 1;
   for (int64_t s = 0; s < s_n; ++s) longest = std::max(longest, len[s]);
-  // a thread per task only when tasks are long: waking one costs more than a short sequence's whole attention
-  at::parallel_for(0, s_n * hk, std::max<int64_t>(1, 4096 / longest), [&](int64_t b, int64_t e) {
-    std::vector<float> qf(group * d), kf(d), acc(group * d), scores;
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t s = i / hk, h = i % hk, n = len[s];
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < d; ++j) qf[g * d + j] = f(qp[s * q.stride(0) + (h * group + g) * q.stride(1) + j]);
-      scores.assign(group * n, 0.f);
-      for (int64_t t0 = 0; t0 < n; t0 += block) {  // block by block: no division per key
-        const int64_t first = table[s * max_blocks + t0 / block] * block;
+  const int64_t row = hk * d;  // one token's keys (or values): contiguous in its block
+  // A task is one sequence, all heads: its tokens' rows are read front to back, which the prefetcher follows from
+  // DRAM (the weights streamed since the last step have evicted them). Threads only for long work: waking one
+  // costs more than a short sequence's whole attention.
+  at::parallel_for(0, s_n, std::max<int64_t>(1, 2048 / longest), [&](int64_t b, int64_t e) {
+    std::vector<float> qf(hq * d), kv(row), acc(hq * d), scores;
+    for (int64_t s = b; s < e; ++s) {
+      const int64_t n = len[s];
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f(qp[s * q.stride(0) + h * q.stride(1) + j]);
+      scores.resize(hq * n);
+      for (int64_t t0 = 0; t0 < n; t0 += block) {  // block by block: no division per token
+        const C* rows = kcache + table[s * max_blocks + t0 / block] * block * row;
         for (int64_t t = t0; t < std::min(n, t0 + block); ++t) {
-          read_row(kcache + ((first + t - t0) * hk + h) * d, kf.data(), d, kscale[h]);
-          for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(qf.data() + g * d, kf.data(), d) * sm_scale;
+          for (int64_t h = 0; h < hk; ++h) read_row(rows + (t - t0) * row + h * d, kv.data() + h * d, d, kscale[h]);
+          for (int64_t h = 0; h < hq; ++h) scores[h * n + t] = dot(qf.data() + h * d, kv.data() + (h / group) * d, d) * sm_scale;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax
-        float* sg = scores.data() + g * n;
+      for (int64_t h = 0; h < hq; ++h) {  // softmax
+        float* sh = scores.data() + h * n;
         float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-        const float inv = 1.f / exp_shifted(sg, n, mx);
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
+        const float inv = 1.f / exp_shifted(sh, n, mx);
 #pragma omp simd
-        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+        for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += block) {
-        const int64_t first = table[s * max_blocks + t0 / block] * block;
+        const C* rows = vcache + table[s * max_blocks + t0 / block] * block * row;
         for (int64_t t = t0; t < std::min(n, t0 + block); ++t) {
-          read_row(vcache + ((first + t - t0) * hk + h) * d, kf.data(), d, vscale[h]);
-          for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], kf.data(), acc.data() + g * d, d);
+          for (int64_t h = 0; h < hk; ++h) read_row(rows + (t - t0) * row + h * d, kv.data() + h * d, d, vscale[h]);
+          for (int64_t h = 0; h < hq; ++h) axpy(scores[h * n + t], kv.data() + (h / group) * d, acc.data() + h * d, d);
         }
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < d; ++j) op[(s * hq + h * group + g) * d + j] = T(acc[g * d + j]);
+      for (int64_t j = 0; j < hq * d; ++j) op[s * hq * d + j] = T(acc[j]);
     }
   });
 }
