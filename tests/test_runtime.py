@@ -237,3 +237,27 @@ def test_int8_lm_head_is_opt_in_and_close(smollm2_dir):
     assert 0 < kl.mean().item() < 0.02 and (lp["auto"].argmax(-1) == lp["int8"].argmax(-1)).float().mean() > 0.9
     with pytest.raises(QuantkitError, match="lm_head"):
         LLMEngine(smollm2_dir, EngineConfig(lm_head="int4"))
+
+
+def test_fused_decode_loop_equals_the_python_layers(tiny_dir, tmp_path, capsys):
+    """The C++ layer loop of a pure-decode step makes the Python layers' calls with their roundings: same tokens
+    and log-probabilities to the bit, int4 and int8 checkpoints, bf16 and FP8 caches, several sequences at once."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    for args, kv in ((["--bits", "4", "-g", "32"], "bf16"), (["--bits", "8"], "fp8")):
+        out = tmp_path / args[1]
+        code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(out), "-q", *args)
+        assert code == 0, err
+        results = []
+        for loop in ("c++", "python"):
+            engine = LLMEngine(out, EngineConfig(dtype="bf16", kv_cache_dtype=kv))
+            if not engine.model.fused:
+                pytest.skip("the fused CPU kernels could not be built here (no C++ compiler)")
+            assert engine.model.decoder is not None
+            if loop == "python":
+                engine.model.decoder = None
+            ids = [engine.add_request(p, params) for p in PROMPTS[:4]]
+            done = {}
+            while engine.has_unfinished():
+                done |= {o.id: (o.token_ids, [(s.logprob, s.top) for s in o.samples]) for o in engine.step() if o.finished}
+            results.append([done[i] for i in ids])
+        assert results[0] == results[1]

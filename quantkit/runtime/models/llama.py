@@ -25,6 +25,7 @@ from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch, paged_attention
 from quantkit.runtime.layers.basic import RMSNorm, Rotary, rotate_heads, silu_mul
+from quantkit.runtime.layers.decoder import FusedDecoder
 from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse, to_device
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -129,6 +130,8 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel)
         self.rotary = Rotary(AutoConfig.from_pretrained(path), dtype, device)
         self.kv_scales = self._kv_scales(w)
+        self.decoder = (FusedDecoder.build(self.layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+                        if self.fused else None)
         if device != "cpu":
             to_device(self, device)
             self.kv_scales = None if self.kv_scales is None else [(k.to(device), v.to(device)) for k, v in self.kv_scales]
@@ -144,8 +147,11 @@ class LlamaModel(nn.Module):
         """-> float32 logits [S, vocab] at `batch.logits_index`."""
         x = self.embed[batch.tokens]  # [T, hidden]
         cos, sin = self.rotary(batch.positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch, cache)
+        if self.decoder is not None and self.decoder.runs(batch):
+            x = self.decoder(x, cos, sin, batch, cache)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, batch, cache)
         x = self.norm(x[batch.logits_index])
         return self.lm_head(x).float()
 
