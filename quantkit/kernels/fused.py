@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]  # no FMA contraction: products round as PyTorch's do
+# -fopenmp: at::parallel_for is inline OpenMP, so without it every op runs on one thread (the runtime is libgomp.so.1,
+# already loaded by torch); -ffp-contract=off: no FMA contraction, so products round as PyTorch's do
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
 def _build_dir() -> Path:
@@ -47,8 +49,8 @@ def ops():
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
         if not any(build.glob("*.so")):
             print("quantkit: compiling fused CPU kernels (once per machine, ~1 min)", file=sys.stderr, flush=True)
-        return load("quantkit_fused", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build), verbose=False)
-    except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path still works
+        return load("quantkit_fused", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a failed build: the PyTorch path still works
         lines = str(e).strip().splitlines() or [type(e).__name__]
         reason = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]
         print(f"quantkit: fused CPU kernels unavailable ({reason}); decoding with PyTorch ops instead", file=sys.stderr)
