@@ -5,6 +5,7 @@ Expected failures (QuantkitError, a full disk) print one line and exit 2; the tr
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import sys
@@ -294,6 +295,7 @@ def bench(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto, fp8, bf16, fp16, fp32."),
     kernel: str = typer.Option("auto", "--kernel", help="auto (triton on CUDA, packed on CPU), packed, dense, reference or triton."),
     lm_head: str = typer.Option("auto", "--lm-head", help="Offline: auto (the checkpoint's) or int8 (quantized per row at load)."),
+    repeats: int = typer.Option(3, "--repeats", help="Offline: runs per system and batch size; the table shows the median run."),
     hf: bool = typer.Option(False, "--hf", help="Also run HF transformers generate on the same workload."),
     llama_cpp: Path | None = typer.Option(None, "--llama-cpp", help="Also run this GGUF in llama.cpp (llama-cpp-python)."),
     model: str | None = typer.Option(None, "--model", help="URL mode: the model name to send.  [default: the first in GET /v1/models]"),
@@ -319,6 +321,7 @@ def bench(
     from quantkit.bench.offline import (
         Workload,
         kv_tokens_per_gib,
+        median_run,
         prompts_for,
         run_engine,
         run_hf,
@@ -345,24 +348,29 @@ def bench(
     ui = Reporter(quiet or as_json)
     path = resolve(offline, status=ui.note).path
     results, kv = [], {}
+    if repeats < 1:
+        raise QuantkitError("--repeats must be >= 1")
     for b in sizes:
         w = Workload(b, input_len, output_len)
-        with ui.step(f"quantkit engine, batch {b}"):
-            engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
-                                                  max_num_batched_tokens=max(2048, input_len), lm_head=lm_head))
-            ui.note(engine.describe())
-            prompts = prompts_for(engine.tokenizer, w)  # the same token ids for every system
-            run_engine(engine, Workload(1, 8, 2), [prompts[0][:8]])  # warm-up
-            results.append(run_engine(engine, w, prompts))
-            kv = kv_tokens_per_gib(engine)
-        if hf:
-            with ui.step(f"HF generate, batch {b}"):
-                results.append(run_hf(path, w, prompts, engine.dtype, engine.tokenizer))
-        if llama_cpp:
-            with ui.step(f"llama.cpp, batch {b} (one request at a time)"):
-                results.append(run_llama_cpp(llama_cpp, w, prompts, torch_threads()))
+        engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
+                                              max_num_batched_tokens=max(2048, input_len), lm_head=lm_head))
+        ui.note(engine.describe())
+        run_engine(engine, Workload(1, 8, 2), [prompts_for(engine.tokenizer, w)[0][:8]])  # warm-up
+        runs: dict[str, list] = {}
+        for rep in range(repeats):
+            prompts = prompts_for(engine.tokenizer, dataclasses.replace(w, seed=w.seed + rep))  # the same ids for every system
+            with ui.step(f"quantkit engine, batch {b}, run {rep + 1}/{repeats}"):
+                runs.setdefault("quantkit", []).append(run_engine(engine, w, prompts))
+            if hf:
+                with ui.step(f"HF generate, batch {b}, run {rep + 1}/{repeats}"):
+                    runs.setdefault("hf", []).append(run_hf(path, w, prompts, engine.dtype, engine.tokenizer))
+            if llama_cpp:
+                with ui.step(f"llama.cpp, batch {b} (one request at a time), run {rep + 1}/{repeats}"):
+                    runs.setdefault("llama.cpp", []).append(run_llama_cpp(llama_cpp, w, prompts, torch_threads()))
+        results += [median_run(r) for r in runs.values()]
+        kv = kv_tokens_per_gib(engine)
     if as_json:
-        print(json.dumps({"model": offline, "kv_tokens_per_gib": kv, "results": [r.to_dict() for r in results]}, indent=2))
+        print(json.dumps({"model": offline, "repeats": repeats, "kv_tokens_per_gib": kv, "results": [r.to_dict() for r in results]}, indent=2))
         return
     if quiet:
         return
@@ -379,7 +387,6 @@ def bench(
 
 def _bench_url(cfg, sweep: str | None, plot: Path | None, tokenizer: str, as_json: bool, quiet: bool) -> None:
     import asyncio
-    import dataclasses
 
     from quantkit import QuantkitError
     from quantkit.bench.loadgen import (

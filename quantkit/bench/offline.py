@@ -2,7 +2,8 @@
 llama.cpp (llama-cpp-python) for a side-by-side table.
 
 The workload is fixed by a seed: `batch` prompts of `input_len` tokens drawn from the built-in held-out
-text, each generating exactly `output_len` tokens (EOS ignored), all submitted at once.
+text, each generating exactly `output_len` tokens (EOS ignored), all submitted at once. Repeats draw fresh
+prompts (seed + repeat), the same for every system, so no run is served from a prefix cache.
 """
 
 from __future__ import annotations
@@ -111,6 +112,12 @@ def run_llama_cpp(gguf: Path, w: Workload, prompts: list[list[int]], threads: in
     return Result("llama.cpp", w.batch, w.input_len, w.output_len, total, sum(ttfts) / len(ttfts),
                   w.batch * w.output_len / total, w.batch * (w.output_len - 1) / max(total - sum(ttfts), 1e-9),
                   w.batch * w.input_len / sum(ttfts))
+
+
+def median_run(runs: list[Result]) -> Result:
+    """The run with the median wall time: repeats tame this kind of machine's run-to-run noise (llama-bench
+    repeats 5 times for the same reason), and a whole run keeps its own numbers consistent."""
+    return sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
 
 
 def kv_tokens_per_gib(engine) -> dict[str, int]:
