@@ -1,11 +1,12 @@
 """`quantkit serve` against llama.cpp's `llama-server` under the same load, one server at a time.
 
     python bench/serve_vs_llama_server.py CKPT GGUF --llama-server PATH/llama-server [--levels 1,8,32]
+        [--serve-args "" --serve-args "--lm-head int8"]
 
 Both get the same random prompts (sized in SmolLM2's tokenizer), `--output-len` tokens each with EOS
 ignored, streamed completions, at each concurrency level (4 requests per slot, at least 4). llama-server
 runs continuous batching with `-np` = the largest level and 2 threads. Prints one table with the
-output-token throughput ratios (quantkit / llama-server).
+output-token throughput ratios (quantkit / llama-server), one per quantkit variant (`--serve-args`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import shlex
 import socket
 import subprocess
 import sys
@@ -70,26 +72,33 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--serve-args", action="append", default=None,
+                    help="extra flags for quantkit serve, one quantkit run each (repeatable), e.g. '--lm-head int8'")
     args = ap.parse_args()
+    variants = args.serve_args or [""]
     levels = [int(x) for x in args.levels.split(",")]
     tok = load_tokenizer(resolve("smollm2-135m").path)
     prompts = [(t, n, args.output_len) for t, n in random_prompts(tok, 4 * max(levels), args.input_len, seed=0)]
     cfg = LoadConfig(url="", input_len=args.input_len, output_len=args.output_len)
     slots = max(levels)
-    port = free_port()
-    ours = measure("quantkit", [sys.executable, "-m", "quantkit", "serve", args.ckpt, "--port", str(port),
-                                "--max-num-seqs", str(slots)], port, levels, prompts, cfg)
+    ours = {}
+    for extra in variants:
+        port = free_port()
+        ours[extra] = measure(f"quantkit {extra}".strip(), [sys.executable, "-m", "quantkit", "serve", args.ckpt, "--port", str(port),
+                                                           "--max-num-seqs", str(slots), *shlex.split(extra)], port, levels, prompts, cfg)
     port = free_port()
     ctx = slots * (args.input_len + args.output_len + 64)
     peer = measure("llama-server", [args.llama_server, "-m", args.gguf, "--port", str(port), "-np", str(slots), "-c", str(ctx),
                                     "-t", str(args.threads), "-cb"], port, levels, prompts, cfg)
-    print(f"\n| concurrency | quantkit serve tok/s | llama-server tok/s | ratio | quantkit TTFT p50 ms | llama-server TTFT p50 ms |"
-          f" quantkit TPOT p50 ms | llama-server TPOT p50 ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for c in levels:
-        a, b = ours[c], peer[c]
-        print(f"| {c} | {a.output_throughput:.1f} | {b.output_throughput:.1f} | {a.output_throughput / b.output_throughput:.2f}x | "
-              f"{a.ttft_ms['p50']:.0f} | {b.ttft_ms['p50']:.0f} | {a.tpot_ms['p50']:.1f} | {b.tpot_ms['p50']:.1f} |")
+    for extra, mine in ours.items():
+        print(f"\nquantkit serve {extra}".rstrip())
+        print("| concurrency | quantkit serve tok/s | llama-server tok/s | ratio | quantkit TTFT p50 ms | llama-server TTFT p50 ms |"
+              " quantkit TPOT p50 ms | llama-server TPOT p50 ms |")
+        print("|---|---|---|---|---|---|---|---|")
+        for c in levels:
+            a, b = mine[c], peer[c]
+            print(f"| {c} | {a.output_throughput:.1f} | {b.output_throughput:.1f} | {a.output_throughput / b.output_throughput:.2f}x | "
+                  f"{a.ttft_ms['p50']:.0f} | {b.ttft_ms['p50']:.0f} | {a.tpot_ms['p50']:.1f} | {b.tpot_ms['p50']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ def run_llama_cpp(gguf: Path, w: Workload, prompts: list[list[int]], threads: in
             if i + 1 == w.output_len:
                 break
     total = time.perf_counter() - start
+    llm.close()  # its context and threads go now, not whenever the collector runs
     return Result("llama.cpp", w.batch, w.input_len, w.output_len, total, sum(ttfts) / len(ttfts),
                   w.batch * w.output_len / total, w.batch * (w.output_len - 1) / max(total - sum(ttfts), 1e-9),
                   w.batch * w.input_len / sum(ttfts))
