@@ -1,0 +1,51 @@
+"""Single-stream decode time per token, A/B in one process: the runtime's PyTorch ops, the fused C++ decode
+ops (the default on CPU), and the fused ops with the opt-in int8 lm_head.
+
+    python bench/runtime_decode_ab.py CKPT [--runs 5 --prompt-len 128 --output-len 64 --batch 1]
+
+The engines take turns, `--runs` generations each (`--batch` requests of `--prompt-len` tokens, then
+`--output-len` greedy tokens with EOS ignored); a token's time is the decode steps' wall time over their
+count. Prints the min and median per engine: on a noisy machine the min is the machine's own speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ckpt")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+
+    from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
+
+    variants = {"pytorch ops": dict(fused=False), "fused": {}, "fused + int8 lm_head": dict(lm_head="int8")}
+    engines = {name: LLMEngine(args.ckpt, EngineConfig(dtype="bf16", kv_cache_memory=512 << 20, **kw)) for name, kw in variants.items()}
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for run in range(args.runs):
+        for name, engine in engines.items():
+            for i in range(args.batch):  # fresh token ids each run: no prefix-cache hits
+                start = 1000 + 7 * (run * args.batch + i)
+                engine.add_request(list(range(start, start + args.prompt_len)), params)
+            engine.step()  # the prefill
+            t, steps = time.perf_counter(), 0
+            while engine.has_unfinished():
+                engine.step()
+                steps += 1
+            times[name].append((time.perf_counter() - t) / steps * 1e3)
+    rows = {name: {"min_ms_per_step": min(v), "median_ms_per_step": statistics.median(v),
+                   "tok_s_at_min": args.batch * 1e3 / min(v)} for name, v in times.items()}
+    print(json.dumps({"batch": args.batch, "runs": args.runs, "engines": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
