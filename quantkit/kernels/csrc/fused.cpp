@@ -281,18 +281,20 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   // DRAM (the weights streamed since the last step have evicted them). Threads only for long work: waking one
   // costs more than a short sequence's whole attention.
   at::parallel_for(0, s_n, std::max<int64_t>(1, 2048 / longest), [&](int64_t b, int64_t e) {
-    std::vector<float> qf(hq * d), kv(row), acc(hq * d), scores;
+    // a block's rows of all KV heads are contiguous: converted to float32 in one pass into `tile`; FP8 scales
+    // (per KV head) multiply the scores and the output instead of every element
+    std::vector<float> qf(hq * d), tile(block * row), acc(hq * d), scores;
     for (int64_t s = b; s < e; ++s) {
       const int64_t n = len[s];
       for (int64_t h = 0; h < hq; ++h)
         for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f(qp[s * q.stride(0) + h * q.stride(1) + j]);
       scores.resize(hq * n);
-      for (int64_t t0 = 0; t0 < n; t0 += block) {  // block by block: no division per token
-        const C* rows = kcache + table[s * max_blocks + t0 / block] * block * row;
-        for (int64_t t = t0; t < std::min(n, t0 + block); ++t) {
-          for (int64_t h = 0; h < hk; ++h) read_row(rows + (t - t0) * row + h * d, kv.data() + h * d, d, kscale[h]);
-          for (int64_t h = 0; h < hq; ++h) scores[h * n + t] = dot(qf.data() + h * d, kv.data() + (h / group) * d, d) * sm_scale;
-        }
+      for (int64_t t0 = 0; t0 < n; t0 += block) {
+        const int64_t m = std::min(n - t0, block);
+        read_row(kcache + table[s * max_blocks + t0 / block] * block * row, tile.data(), m * row, 1.f);
+        for (int64_t t = 0; t < m; ++t)
+          for (int64_t h = 0; h < hq; ++h)
+            scores[h * n + t0 + t] = dot(qf.data() + h * d, tile.data() + t * row + (h / group) * d, d) * (sm_scale * kscale[h / group]);
       }
       for (int64_t h = 0; h < hq; ++h) {  // softmax
         float* sh = scores.data() + h * n;
@@ -304,13 +306,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += block) {
-        const C* rows = vcache + table[s * max_blocks + t0 / block] * block * row;
-        for (int64_t t = t0; t < std::min(n, t0 + block); ++t) {
-          for (int64_t h = 0; h < hk; ++h) read_row(rows + (t - t0) * row + h * d, kv.data() + h * d, d, vscale[h]);
-          for (int64_t h = 0; h < hq; ++h) axpy(scores[h * n + t], kv.data() + (h / group) * d, acc.data() + h * d, d);
-        }
+        const int64_t m = std::min(n - t0, block);
+        read_row(vcache + table[s * max_blocks + t0 / block] * block * row, tile.data(), m * row, 1.f);
+        for (int64_t t = 0; t < m; ++t)
+          for (int64_t h = 0; h < hq; ++h) axpy(scores[h * n + t0 + t], tile.data() + t * row + (h / group) * d, acc.data() + h * d, d);
       }
-      for (int64_t j = 0; j < hq * d; ++j) op[s * hq * d + j] = T(acc[j]);
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t j = 0; j < d; ++j) op[(s * hq + h) * d + j] = T(acc[h * d + j] * vscale[h / group]);
     }
   });
 }
