@@ -81,6 +81,47 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
   for (; j < n; ++j) y[j] += p * x[j];
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define QUANTKIT_AVX512_HEAD64 1
+// Head size 64 (SmolLM, Llama 3.2 1B, Qwen2 0.5B): scores of one query head against m keys (rows at `stride`),
+// four keys at a time so that one transpose-add reduces four dot products.
+inline void scores64(const float* q, const float* keys, int64_t stride, int64_t m, float* out, float mult) {
+  const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+  int64_t t = 0;
+  for (; t + 4 <= m; t += 4) {
+    __m512 a[4];
+    for (int i = 0; i < 4; ++i) {
+      const float* k = keys + (t + i) * stride;
+      a[i] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32),
+             _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)))));
+    }
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(r), _mm512_extractf32x8_ps(r, 1));  // [key 0..3] per 128-bit lane
+    _mm_storeu_ps(out + t, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(mult)));
+  }
+  for (; t < m; ++t) out[t] = dot(q, keys + t * stride, 64) * mult;
+}
+
+// acc (64 floats) += sum_t p[t] * values[t], the accumulator held in registers across the keys.
+inline void accumulate64(const float* p, const float* values, int64_t stride, int64_t m, float* acc) {
+  __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16), a2 = _mm512_loadu_ps(acc + 32), a3 = _mm512_loadu_ps(acc + 48);
+  for (int64_t t = 0; t < m; ++t) {
+    const float* v = values + t * stride;
+    const __m512 pv = _mm512_set1_ps(p[t]);
+    a0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v), a0);
+    a1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16), a1);
+    a2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 32), a2);
+    a3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 48), a3);
+  }
+  _mm512_storeu_ps(acc, a0);
+  _mm512_storeu_ps(acc + 16, a1);
+  _mm512_storeu_ps(acc + 32, a2);
+  _mm512_storeu_ps(acc + 48, a3);
+}
+#endif
+
 // x[j] = exp(x[j] - shift); returns their sum
 inline float exp_shifted(float* x, int64_t n, float shift) {
   float total = 0.f;
@@ -292,6 +333,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t t0 = 0; t0 < n; t0 += block) {
         const int64_t m = std::min(n - t0, block);
         read_row(kcache + table[s * max_blocks + t0 / block] * block * row, tile.data(), m * row, 1.f);
+#ifdef QUANTKIT_AVX512_HEAD64
+        if (d == 64) {
+          for (int64_t h = 0; h < hq; ++h)
+            scores64(qf.data() + h * d, tile.data() + (h / group) * d, row, m, scores.data() + h * n + t0, sm_scale * kscale[h / group]);
+          continue;
+        }
+#endif
         for (int64_t t = 0; t < m; ++t)
           for (int64_t h = 0; h < hq; ++h)
             scores[h * n + t0 + t] = dot(qf.data() + h * d, tile.data() + t * row + (h / group) * d, d) * (sm_scale * kscale[h / group]);
@@ -308,6 +356,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t t0 = 0; t0 < n; t0 += block) {
         const int64_t m = std::min(n - t0, block);
         read_row(vcache + table[s * max_blocks + t0 / block] * block * row, tile.data(), m * row, 1.f);
+#ifdef QUANTKIT_AVX512_HEAD64
+        if (d == 64) {
+          for (int64_t h = 0; h < hq; ++h) accumulate64(scores.data() + h * n + t0, tile.data() + (h / group) * d, row, m, acc.data() + h * d);
+          continue;
+        }
+#endif
         for (int64_t t = 0; t < m; ++t)
           for (int64_t h = 0; h < hq; ++h) axpy(scores[h * n + t0 + t], tile.data() + t * row + (h / group) * d, acc.data() + h * d, d);
       }
