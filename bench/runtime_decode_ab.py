@@ -1,11 +1,12 @@
-"""Single-stream decode time per token, A/B in one process: the runtime's PyTorch ops, the fused C++ decode
-ops (the default on CPU), and the fused ops with the opt-in int8 lm_head.
+"""Decode time per step, A/B in one process: the runtime's PyTorch ops, the fused C++ decode ops (the
+default on CPU), and the fused ops with the opt-in int8 lm_head; one sequence or `--batch` at once.
 
     python bench/runtime_decode_ab.py CKPT [--runs 5 --prompt-len 128 --output-len 64 --batch 1]
 
 The engines take turns, `--runs` generations each (`--batch` requests of `--prompt-len` tokens, then
-`--output-len` greedy tokens with EOS ignored); a token's time is the decode steps' wall time over their
-count. Prints the min and median per engine: on a noisy machine the min is the machine's own speed.
+`--output-len` greedy tokens with EOS ignored); a step's time is the wall time of the steps after every
+request has its first token, over their count. Prints the min and median per engine: on a noisy machine
+the min is the machine's own speed.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in engines}
     for run in range(args.runs):
         for name, engine in engines.items():
+            ids = set()
             for i in range(args.batch):  # fresh token ids each run: no prefix-cache hits
                 start = 1000 + 7 * (run * args.batch + i)
-                engine.add_request(list(range(start, start + args.prompt_len)), params)
-            engine.step()  # the prefill
+                ids.add(engine.add_request(list(range(start, start + args.prompt_len)), params))
+            started: set[str] = set()
+            while started != ids:  # the prefill (in chunks for long batches), up to every request's first token
+                started |= {out.id for out in engine.step()}
             t, steps = time.perf_counter(), 0
             while engine.has_unfinished():
                 engine.step()
