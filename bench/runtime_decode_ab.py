@@ -1,7 +1,7 @@
 """Decode time per step, A/B in one process: the runtime's PyTorch ops, the fused C++ decode ops (the
 default on CPU), and the fused ops with the opt-in int8 lm_head; one sequence or `--batch` at once.
 
-    python bench/runtime_decode_ab.py CKPT [--runs 5 --prompt-len 128 --output-len 64 --batch 1]
+    python bench/runtime_decode_ab.py CKPT [--runs 5 --prompt-len 128 --output-len 64 --batch 1 --kv-cache-dtype auto]
 
 The engines take turns, `--runs` generations each (`--batch` requests of `--prompt-len` tokens, then
 `--output-len` greedy tokens with EOS ignored); a step's time is the wall time of the steps after every
@@ -24,12 +24,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, bf16, ...: the same for every engine")
     args = ap.parse_args()
 
     from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
 
     variants = {"pytorch ops": dict(fused=False), "fused": {}, "fused + int8 lm_head": dict(lm_head="int8")}
-    engines = {name: LLMEngine(args.ckpt, EngineConfig(dtype="bf16", kv_cache_memory=512 << 20, **kw)) for name, kw in variants.items()}
+    engines = {name: LLMEngine(args.ckpt, EngineConfig(dtype="bf16", kv_cache_memory=512 << 20, kv_cache_dtype=args.kv_cache_dtype, **kw)) for name, kw in variants.items()}
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for run in range(args.runs):
@@ -48,7 +49,7 @@ def main() -> None:
             times[name].append((time.perf_counter() - t) / steps * 1e3)
     rows = {name: {"min_ms_per_step": min(v), "median_ms_per_step": statistics.median(v),
                    "tok_s_at_min": args.batch * 1e3 / min(v)} for name, v in times.items()}
-    print(json.dumps({"batch": args.batch, "runs": args.runs, "engines": rows}, indent=2))
+    print(json.dumps({"batch": args.batch, "runs": args.runs, "kv_cache_dtype": args.kv_cache_dtype, "engines": rows}, indent=2))
 
 
 if __name__ == "__main__":

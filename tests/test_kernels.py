@@ -150,3 +150,22 @@ def test_fused_paged_decode_attention_matches_reference(dtype, fp8, d):
     assert torch.allclose(out.float(), want, atol=tol), (out.float() - want).abs().max()
     empty = q.new_empty(0)  # keys already stored: attend only
     assert torch.equal(m.decode_attention(q, empty, empty, kc2, vc2, slots, tables, lengths, ks, vs), out)
+
+
+def test_fused_attention_reads_every_fp8_code_exactly():
+    """A sequence of one token attends to it with weight exactly 1, so float32 output = the cached values read
+    back: every finite E4M3 code (subnormals included) times a per-head scale must equal the reference's."""
+    m = fused_ops()
+    kv_heads, heads, d = 3, 3, 64
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[codes.float().isfinite()]
+    codes = torch.cat([codes, codes[: 2 * kv_heads * d - len(codes)]]).view(2, 1, kv_heads, d)  # 2 sequences x 1 token
+    cache_v = torch.zeros(4, 16, kv_heads, d, dtype=torch.float8_e4m3fn)
+    cache_v[[1, 3], 0] = codes[:, 0]
+    cache_k = torch.zeros_like(cache_v)
+    vs = torch.tensor([0.0371, 3e-3, 7.0])
+    q, empty = torch.randn(2, heads, d), torch.empty(0)
+    out = m.decode_attention(q, empty, empty, cache_k, cache_v, torch.tensor([16, 48]), torch.tensor([[1], [3]]),
+                             torch.tensor([1, 1]), torch.ones(kv_heads), vs)
+    want = reference.dequantize_fp8(codes[:, 0], vs.view(-1, 1), torch.float32)
+    assert torch.equal(out, want)
