@@ -262,3 +262,19 @@ def test_fused_decode_loop_equals_the_python_layers(tiny_dir, tmp_path, capsys):
                 done |= {o.id: (o.token_ids, [(s.logprob, s.top) for s in o.samples]) for o in engine.step() if o.finished}
             results.append([done[i] for i in ids])
         assert results[0] == results[1]
+
+
+def test_without_a_compiler_the_engine_says_so_once_and_decodes(tiny_dir, hf_reference, tmp_path):
+    """No C++ compiler: one line on stderr, then the PyTorch ops, still token-identical to HF."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("from quantkit.runtime import LLM, SamplingParams\n"
+              f"llm = LLM({str(tiny_dir)!r}, dtype='fp32')\n"
+              f"print(llm.generate([{PROMPTS[0]}], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids)\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-compiler"), "QUANTKIT_CACHE": str(tmp_path / "cache"), "QUANTKIT_FUSED": "1"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("fused CPU kernels unavailable") == 1 and "no C++ compiler" in r.stderr
+    assert r.stdout.strip() == str(hf_reference[0])

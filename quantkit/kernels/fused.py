@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,6 +42,9 @@ def ops():
     """The compiled module, or None when it cannot be built here (reported once on stderr)."""
     if os.environ.get("QUANTKIT_FUSED", "1") == "0":
         return None
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return _unavailable(f"no C++ compiler: {compiler} not found")
     try:
         from torch.utils.cpp_extension import load
 
@@ -48,10 +53,15 @@ def ops():
         if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
         if not any(build.glob("*.so")):
-            print("quantkit: compiling fused CPU kernels (once per machine, ~1 min)", file=sys.stderr, flush=True)
-        return load("quantkit_fused", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-    except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a failed build: the PyTorch path still works
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        reason = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]
-        print(f"quantkit: fused CPU kernels unavailable ({reason}); decoding with PyTorch ops instead", file=sys.stderr)
-        return None
+            print("quantkit: compiling fused CPU kernels (once per machine, ~30 s)", file=sys.stderr, flush=True)
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its compiler-ABI lecture
+        return load("quantkit_fused", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build),
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001 -- no ninja, a failed build: the PyTorch path still works
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        return _unavailable(next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
+                                 lines[-1])[:300])
+
+
+def _unavailable(reason: str) -> None:
+    print(f"quantkit: fused CPU kernels unavailable ({reason}); decoding with PyTorch ops instead", file=sys.stderr)
