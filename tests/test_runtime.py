@@ -274,7 +274,7 @@ def test_without_a_compiler_the_engine_says_so_once_and_decodes(tiny_dir, hf_ref
               f"llm = LLM({str(tiny_dir)!r}, dtype='fp32')\n"
               f"print(llm.generate([{PROMPTS[0]}], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids)\n")
     env = {**os.environ, "CXX": str(tmp_path / "no-compiler"), "QUANTKIT_CACHE": str(tmp_path / "cache"), "QUANTKIT_FUSED": "1"}
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("fused CPU kernels unavailable") == 1 and "no C++ compiler" in r.stderr
     assert r.stdout.strip() == str(hf_reference[0])
