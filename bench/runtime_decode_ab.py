@@ -1,5 +1,6 @@
-"""Decode time per step, A/B in one process: the runtime's PyTorch ops, the fused C++ decode ops (the
-default on CPU), and the fused ops with the opt-in int8 lm_head; one sequence or `--batch` at once.
+"""Decode time per step, A/B in one process: the runtime's PyTorch ops, the fused C++ decode ops with
+PyTorch's int4 matmul, the fused ops with quantkit's int4 GEMM (the default on CPU), and that with the
+opt-in int8 lm_head; one sequence or `--batch` at once.
 
     python bench/runtime_decode_ab.py CKPT [--runs 5 --prompt-len 128 --output-len 64 --batch 1 --kv-cache-dtype auto]
 
@@ -12,6 +13,7 @@ the min is the machine's own speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -27,10 +29,19 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, bf16, ...: the same for every engine")
     args = ap.parse_args()
 
-    from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
+    from unittest import mock
 
-    variants = {"pytorch ops": dict(fused=False), "fused": {}, "fused + int8 lm_head": dict(lm_head="int8")}
-    engines = {name: LLMEngine(args.ckpt, EngineConfig(dtype="bf16", kv_cache_memory=512 << 20, kv_cache_dtype=args.kv_cache_dtype, **kw)) for name, kw in variants.items()}
+    from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
+    from quantkit.runtime.layers import linear
+
+    def engine(int4_gemm: bool = True, **kw) -> LLMEngine:
+        # without quantkit's int4 GEMM the int4 layers load for PyTorch's op, as on a CPU without AVX-512 BF16
+        off = contextlib.nullcontext() if int4_gemm else mock.patch.object(linear, "_int4_gemm_fits", lambda *a: False)
+        with off:
+            return LLMEngine(args.ckpt, EngineConfig(dtype="bf16", kv_cache_memory=512 << 20, kv_cache_dtype=args.kv_cache_dtype, **kw))
+
+    engines = {"pytorch ops": engine(fused=False), "fused, pytorch int4 matmul": engine(int4_gemm=False), "fused": engine(),
+               "fused + int8 lm_head": engine(lm_head="int8")}
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for run in range(args.runs):

@@ -55,6 +55,16 @@ def unpack_int4_rows(packed: Tensor, length: int) -> Tensor:
     return nibbles.to(torch.int8) - 8
 
 
+def pack_int4_panels(q: Tensor, panel: int = 16) -> Tensor:
+    """The CPU int4 GEMM's layout (kernels/csrc/int4_gemm.h): int8 [out, in] in [-8, 7] -> uint8
+    [out / panel, in / 2, panel], byte c of pair p holding input 2p (low nibble) and 2p + 1 (high nibble) of
+    the panel's channel c, offset +8. A panel's pair of inputs is one 16-byte load for all its channels."""
+    out_features, in_features = q.shape
+    u = (q.to(torch.int16) + 8).to(torch.uint8)  # [out, in] in [0, 15]
+    pairs = u[:, 0::2] | (u[:, 1::2] << 4)  # [out, in / 2]
+    return pairs.view(out_features // panel, panel, in_features // 2).transpose(1, 2).contiguous()
+
+
 def packed_width(length: int, bits: int) -> int:
     return -(-length // _per_word(bits))
 

@@ -31,7 +31,8 @@ def _build_dir() -> Path:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     from quantkit.models import cache_dir
 
-    key = hashlib.sha256("\n".join([flags, torch.__version__, SOURCE.read_text(), *FLAGS]).encode()).hexdigest()[:16]
+    sources = [f.read_text() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h")]
+    key = hashlib.sha256("\n".join([flags, torch.__version__, *sources, *FLAGS]).encode()).hexdigest()[:16]
     root = cache_dir() / "kernels" / key
     root.mkdir(parents=True, exist_ok=True)
     return root

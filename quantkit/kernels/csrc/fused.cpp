@@ -10,6 +10,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "int4_gemm.h"
+
 #include <algorithm>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -389,13 +391,59 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// --- 4-bit linear layers (int4_gemm.h) ----------------------------------------------------------------------
+
+bool int4_gemm_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bf16, packed uint8 [N/16, K/2, 16], params f32 [2, N/16, G, 16] (scales, 136 + zero points) -> [M, N] bf16
+at::Tensor int4_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& params, int64_t group) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kBFloat16, "int4_gemm: x must be 2-D bfloat16");
+  const at::Tensor x = x_.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  TORCH_CHECK(packed.size(1) * 2 == k && packed.size(2) == int4::kPanel && group % 2 == 0 && k % group == 0 &&
+                  params.size(2) == groups && params.size(3) == int4::kPanel,
+              "int4_gemm: weight layout does not match x");
+  at::Tensor y = at::empty({m, packed.size(0) * int4::kPanel}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  std::vector<float> xsum(m * groups);
+  for (int64_t i = 0; i < m * groups; ++i) {  // sum of x over each group, float32
+    const uint16_t* g = xp + i * group;
+    int64_t c = 0;
+    __m512 acc = _mm512_setzero_ps();
+    for (; c + 16 <= group; c += 16) {
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + c)));
+      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+    float s = _mm512_reduce_add_ps(acc);
+    for (; c < group; ++c) s += __builtin_bit_cast(float, static_cast<uint32_t>(g[c]) << 16);
+    xsum[i] = s;
+  }
+  const float* pp = params.data_ptr<float>();
+  const int64_t plane = params.numel() / 2;
+  int4::run({xp, packed.data_ptr<uint8_t>(), xsum.data(), pp, pp + plane,
+             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k, y.size(1), groups, group});
+  return y;
+#else
+  TORCH_CHECK(false, "int4_gemm needs AVX-512 BF16");
+#endif
+}
+
 // --- the whole decode step's layer loop --------------------------------------------------------------------
 // For a batch of single-token sequences the Python loop over layers costs ~1/4 of a CPU step on its own (a
 // dozen calls a layer through the interpreter); Decoder runs the same calls from C++.
 
 // A linear layer as the runtime holds it: PyTorch's packed int4 or int8 op, or a dense weight; optional bias.
 struct Linear {
-  int64_t mode;  // 0 int4 (w packed, s scales_zeros, group), 1 int8 (w int8, s scale per row), 2 dense (w [out, in])
+  // 0 PyTorch's int4 (w packed, s scales_zeros, group), 1 int8 (w int8, s scale per row), 2 dense (w [out, in]),
+  // 3 int4_gemm (w panels, s params, group)
+  int64_t mode;
   at::Tensor w, s;
   int64_t group;
   c10::optional<at::Tensor> bias;
@@ -403,6 +451,7 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const {  // x [t, in] -> [t, out]
     at::Tensor y = mode == 0   ? at::_weight_int4pack_mm_for_cpu(x, w, group, s)
                    : mode == 1 ? at::_weight_int8pack_mm(x, w, s)
+                   : mode == 3 ? int4_gemm(x, w, s, group)
                                : at::mm(x, w.t());
     return bias ? y.add_(*bias) : y;
   }
@@ -460,6 +509,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_);
   m.def("silu_mul", &silu_mul);
   m.def("decode_attention", &decode_attention);
+  m.def("int4_gemm_available", &int4_gemm_available);
+  m.def("int4_gemm", &int4_gemm);
   py::class_<Linear>(m, "Linear").def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>());
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, double>())

@@ -2,7 +2,7 @@
 
 With 4-bit weights a CPU decode step is bound by call overhead more than by arithmetic: each layer is a
 dozen calls, and the Python interpreter between them cost ~1/4 of a single-stream token. The C++ loop makes
-the same calls (PyTorch's packed int4/int8 ops or a dense matmul, then the fused norm, rotary, attention
+the same calls (quantkit's int4 GEMM, PyTorch's packed int4/int8 ops or a dense matmul, then the fused norm, rotary, attention
 and SiLU ops) with the same roundings, so it changes speed, not outputs. Prefill and mixed batches keep
 the Python layers.
 """
@@ -16,7 +16,7 @@ from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch
 from quantkit.runtime.layers.linear import PACKED_MAX_ROWS, Linear
 
-MODES = {"int4": 0, "int8": 1, "dense": 2}
+MODES = {"int4": 0, "int8": 1, "dense": 2, "int4_gemm": 3}
 
 
 class FusedDecoder:
@@ -48,6 +48,8 @@ class FusedDecoder:
 def _spec(ops, lin: Linear):
     if lin.mode == "int4":
         return ops.Linear(0, lin.packed, lin.scales_zeros, lin.group, lin.bias)
+    if lin.mode == "int4_gemm":
+        return ops.Linear(3, lin.packed, lin.params, lin.group, lin.bias)
     if lin.mode == "int8":
         return ops.Linear(1, lin.q8, lin.scale8, 0, lin.bias)
     return ops.Linear(2, lin.weight, lin.weight, 0, lin.bias)

@@ -1,8 +1,9 @@
 """Linear layers over dense or compressed-tensors weights, repacked once at load for the chosen kernel.
 
 Kernels: "reference" dequantizes on every call (the oracle), "dense" dequantizes once at load (fast for
-large batches, no memory saving), "packed" keeps int4/int8 weights packed and uses PyTorch's CPU integer
-matmuls where the shape allows, the reference otherwise; "triton" (GPU) keeps the checkpoint's int32
+large batches, no memory saving), "packed" keeps int4/int8 weights packed: for bf16 int4 with the fused CPU
+ops on AVX-512 BF16, quantkit's own int4 GEMM (kernels/csrc/int4_gemm.h, ~2x PyTorch's at 8-64 rows),
+else PyTorch's CPU integer matmuls where the shape allows, the reference otherwise; "triton" (GPU) keeps the checkpoint's int32
 packing and dequantizes inside a Triton GEMM, switching to a dense copy above `TRITON_DENSE_ROWS` rows
 where the INT kernel loses to cuBLAS.
 """
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from quantkit.formats.pack import pack_int32
+from quantkit.formats.pack import pack_int4_panels, pack_int32
 from quantkit.kernels import cpu, reference
+from quantkit.kernels import fused as fused_kernels
 from quantkit.quant.qparams import dequantize
 
 KERNELS = ("packed", "dense", "reference", "triton")
@@ -56,7 +58,8 @@ def fuse(weights: list[Tensor | QuantWeight]) -> Tensor | QuantWeight:
 class Linear(nn.Module):
     """y = x W^T (+ b). Holds the weight in the layout its kernel reads."""
 
-    def __init__(self, weight: Tensor | QuantWeight, bias: Tensor | None, dtype: torch.dtype, kernel: str = "packed"):
+    def __init__(self, weight: Tensor | QuantWeight, bias: Tensor | None, dtype: torch.dtype, kernel: str = "packed",
+                 fused: bool = False):
         super().__init__()
         self.dtype = dtype
         self.bias = None if bias is None else bias.to(dtype)
@@ -71,6 +74,13 @@ class Linear(nn.Module):
             self.mode, self.qw = "triton", weight
             self.words = pack_int32(weight.q, weight.bits, dim=1)  # [out, in * bits / 32]
             self.scale_t = weight.scale.to(dtype).contiguous()
+        elif kernel == "packed" and fused and _int4_gemm_fits(weight, dtype):
+            self.mode, self.group = "int4_gemm", weight.group_size or in_features
+            self.packed = pack_int4_panels(weight.q)  # [out / 16, in / 2, 16]
+            scale = weight.scale.float()  # [out, groups]
+            offset = 136.0 + (torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float())  # see int4_gemm.h
+            params = torch.stack([scale, offset])  # [2, out, groups]
+            self.params = params.view(2, out_features // 16, 16, -1).transpose(2, 3).contiguous()  # [2, out / 16, groups, 16]
         elif (kernel == "packed" and weight.bits == 4 and dtype != torch.float32
               and cpu.int4_supported(out_features, in_features, weight.group_size)):
             # (float32 engines dequantise once instead: PyTorch's int4 op with float32 activations costs 30x its
@@ -86,7 +96,9 @@ class Linear(nn.Module):
             self.weight = weight.dequantize(dtype)
 
     def forward(self, x: Tensor) -> Tensor:  # x [t, in] -> [t, out]
-        if self.mode == "int4" and x.shape[0] > PACKED_MAX_ROWS:
+        if self.mode == "int4_gemm":
+            y = fused_kernels.ops().int4_gemm(x, self.packed, self.params, self.group)
+        elif self.mode == "int4" and x.shape[0] > PACKED_MAX_ROWS:
             y = x @ cpu.dequant_int4(self.words, self.scale_t, self.zero_point, x.shape[1], x.dtype).T
         elif self.mode == "int4":
             y = cpu.int4_linear(x, self.packed, self.scales_zeros, self.group)
@@ -103,6 +115,15 @@ class Linear(nn.Module):
         else:
             y = x @ self.weight.T
         return y if self.bias is None else y + self.bias
+
+
+def _int4_gemm_fits(w: QuantWeight, dtype: torch.dtype) -> bool:
+    """bf16 activations, 16-channel panels, groups of an even size dividing the row, and a CPU with AVX-512 BF16."""
+    out_features, in_features = w.shape
+    group = w.group_size or in_features
+    ops = fused_kernels.ops()
+    return (w.bits == 4 and dtype == torch.bfloat16 and out_features % 16 == 0 and group % 2 == 0 and in_features % group == 0
+            and ops is not None and ops.int4_gemm_available())
 
 
 def to_device(module: nn.Module, device: str) -> None:

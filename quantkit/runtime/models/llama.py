@@ -82,10 +82,10 @@ class DecoderLayer(nn.Module):
         attn = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
         biases = [w.get(f"{m}.bias") for m in attn]
         self.qkv = Linear(fuse([w.linear(m) for m in attn]), torch.cat(biases) if all(b is not None for b in biases) else None,
-                          dtype, kernel)
-        self.o = Linear(w.linear(f"{p}.self_attn.o_proj"), w.get(f"{p}.self_attn.o_proj.bias"), dtype, kernel)
-        self.gate_up = Linear(fuse([w.linear(f"{p}.mlp.gate_proj"), w.linear(f"{p}.mlp.up_proj")]), None, dtype, kernel)
-        self.down = Linear(w.linear(f"{p}.mlp.down_proj"), None, dtype, kernel)
+                          dtype, kernel, fused)
+        self.o = Linear(w.linear(f"{p}.self_attn.o_proj"), w.get(f"{p}.self_attn.o_proj.bias"), dtype, kernel, fused)
+        self.gate_up = Linear(fuse([w.linear(f"{p}.mlp.gate_proj"), w.linear(f"{p}.mlp.up_proj")]), None, dtype, kernel, fused)
+        self.down = Linear(w.linear(f"{p}.mlp.down_proj"), None, dtype, kernel, fused)
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(w.tensor(f"{p}.input_layernorm.weight"), eps, dtype, fused)
         self.post_norm = RMSNorm(w.tensor(f"{p}.post_attention_layernorm.weight"), eps, dtype, fused)

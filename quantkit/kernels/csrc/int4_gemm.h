@@ -1,0 +1,131 @@
+// y = x W^T for 4-bit weights and bfloat16 activations, on AVX-512 BF16 (vdpbf16ps): the linear layers of a
+// batched decode step. PyTorch's int4 op runs ~150-170 GFLOP/s here at 8-64 rows, half of what a bf16 GEMM
+// reaches on the same shapes; this kernel unpacks each weight once per call into registers' worth of bf16
+// and reuses it for every row.
+//
+// Weight layout (repacked at load, formats/pack.py `pack_int4_panels`): panels of 16 output channels,
+//   packed uint8 [N/16, K/2, 16]: byte c of pair p = u[c, 2p] | u[c, 2p+1] << 4, with u = q + 8 in [0, 15]
+//   params  f32  [2, N/16, G, 16]: the group scales, then 136 + zero_point
+// OR-ing a nibble into the bits of bfloat16 128.0 (0x4300) gives exactly 128 + u, so unpacking is integer
+// shifts and masks, no conversions. vdpbf16ps sums x * (128 + u) over a group in float32 (products of two
+// 8-bit mantissas are exact), and the group adds scale * (acc - (136 + zp) * sum(x)) = scale * sum(x * (q - zp)).
+// Each output is computed the same way whatever the batch, so a row's result does not depend on its batch.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <array>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace int4 {
+
+constexpr int64_t kPanel = 16;  // output channels per panel: one zmm of float32 accumulators
+constexpr int kMaxRows = 12;    // rows per tile: 12 accumulators + 12 totals + operands fit in 32 registers
+
+// 16 packed bytes -> 32 bfloat16 (128 + u), each channel's two inputs adjacent, as vdpbf16ps pairs them.
+inline __m512i unpack(const uint8_t* p) {
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // byte c -> lane c
+  const __m512i t = _mm512_slli_epi32(d, 12);                                                       // high nibble -> bits 16-19
+  const __m512i v = _mm512_ternarylogic_epi32(d, t, _mm512_set1_epi32(0x000F000F), 0xA8);           // (d | t) & mask
+  return _mm512_or_si512(v, _mm512_set1_epi32(0x43004300));
+}
+
+struct Problem {
+  const uint16_t* x;   // [M, K] bfloat16
+  const uint8_t* packed;  // [N/16, K/2, 16]
+  const float* xsum;   // [M, G] float32 sum of x over each group
+  const float* scale;  // [N/16, G, 16]
+  const float* zero;   // [N/16, G, 16]: 136 + zero_point
+  uint16_t* y;         // [M, N] bfloat16
+  int64_t m, k, n, groups, group;
+};
+
+// R rows x P panels of y, from P panels unpacked beforehand into w ([P][K/2] vectors), or with w null straight
+// from the packed weights (one row tile: unpacking next to the arithmetic overlaps it with the memory reads).
+// One accumulator per (row, panel) per group, in the same order whatever R and P.
+template <int R, int P>
+void tile(const Problem& pb, const __m512i* w, int64_t row, int64_t panel) {
+  const int64_t half = pb.k / 2, pairs = pb.group / 2;
+  __m512 out[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P; ++j) out[r][j] = _mm512_setzero_ps();
+  const uint16_t* x = pb.x + row * pb.k;
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    __m512 acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t p = g * pairs; p < (g + 1) * pairs; ++p) {
+      __m512bh b[P];
+      for (int j = 0; j < P; ++j)
+        b[j] = (__m512bh)(w ? _mm512_load_si512(w + j * half + p) : unpack(pb.packed + ((panel + j) * half + p) * kPanel));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * pb.k + 2 * p));
+        for (int j = 0; j < P; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+      }
+    }
+    for (int j = 0; j < P; ++j) {
+      const int64_t at = ((panel + j) * pb.groups + g) * kPanel;
+      const __m512 s = _mm512_loadu_ps(pb.scale + at), z = _mm512_loadu_ps(pb.zero + at);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_fnmadd_ps(z, _mm512_set1_ps(pb.xsum[(row + r) * pb.groups + g]), acc[r][j]);
+        out[r][j] = _mm512_fmadd_ps(s, a, out[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < P; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.y + (row + r) * pb.n + (panel + j) * kPanel), (__m256i)_mm512_cvtneps_pbh(out[r][j]));
+}
+
+using TileFn = void (*)(const Problem&, const __m512i*, int64_t, int64_t);
+
+template <int P, size_t... R>
+constexpr std::array<TileFn, sizeof...(R)> tiles(std::index_sequence<R...>) {
+  return {&tile<static_cast<int>(R) + 1, P>...};
+}
+
+// Panels per tile by rows: few rows need several panels' accumulators in flight to hide vdpbf16ps latency.
+inline int panels_for(int rows) { return rows <= 2 ? 4 : rows <= 6 ? 2 : 1; }
+
+inline void run(const Problem& pb) {
+  static const auto t1 = tiles<1>(std::make_index_sequence<kMaxRows>{});
+  static const auto t2 = tiles<2>(std::make_index_sequence<kMaxRows>{});
+  static const auto t4 = tiles<4>(std::make_index_sequence<kMaxRows>{});
+  const int64_t panels = pb.n / kPanel, half = pb.k / 2;
+  const bool direct = pb.m <= kMaxRows;  // one row tile: no unpacked copy
+  const int64_t per_task = panels >= 128 || (direct && pb.m <= 2) ? 4 : 2;  // panels unpacked together, shared by all row tiles
+  // Prefill-sized inputs in blocks of rows that stay in L2 (~256 KiB) while every panel passes over them;
+  // the weights are unpacked again per block, a few percent of its work.
+  const int64_t block = std::max<int64_t>(kMaxRows, 262144 / (2 * pb.k) / kMaxRows * kMaxRows);
+  for (int64_t row0 = 0; row0 < pb.m; row0 += block) {
+    const int64_t row_end = std::min(pb.m, row0 + block);
+    at::parallel_for(0, (panels + per_task - 1) / per_task, 1, [&](int64_t begin, int64_t end) {
+      std::vector<__m512i> w(direct ? 0 : per_task * half);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t first = task * per_task, count = std::min(per_task, panels - first);
+        for (int64_t j = 0; j < count && !direct; ++j) {
+          const uint8_t* src = pb.packed + (first + j) * half * kPanel;
+          for (int64_t p = 0; p < half; ++p) w[j * half + p] = unpack(src + p * kPanel);
+        }
+        for (int64_t row = row0; row < row_end; row += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, row_end - row));
+          int64_t j = 0;
+          for (const int p : {4, 2, 1}) {
+            if (p > panels_for(rows)) continue;
+            const auto& fns = p == 4 ? t4 : p == 2 ? t2 : t1;
+            for (; j + p <= count; j += p) fns[rows - 1](pb, direct ? nullptr : w.data() + j * half, row, first + j);
+          }
+        }
+      }
+    });
+  }
+}
+
+}  // namespace int4
+#endif
