@@ -1,6 +1,6 @@
 """Decode time per step, A/B in one process: the runtime's PyTorch ops, the fused C++ decode ops with
-PyTorch's int4 matmul, the fused ops with quantkit's int4 GEMM (the default on CPU), and that with the
-opt-in int8 lm_head; one sequence or `--batch` at once.
+PyTorch's matmuls (int4 op, oneDNN bf16 lm_head), the fused ops with quantkit's panel GEMM for both (the
+default on CPUs with AVX-512 BF16), and that with the opt-in int8 lm_head; one sequence or `--batch` at once.
 
     python bench/runtime_decode_ab.py CKPT [--runs 5 --prompt-len 128 --output-len 64 --batch 1 --kv-cache-dtype auto]
 
@@ -34,13 +34,13 @@ def main() -> None:
     from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
     from quantkit.runtime.layers import linear
 
-    def engine(int4_gemm: bool = True, **kw) -> LLMEngine:
-        # without quantkit's int4 GEMM the int4 layers load for PyTorch's op, as on a CPU without AVX-512 BF16
-        off = contextlib.nullcontext() if int4_gemm else mock.patch.object(linear, "_int4_gemm_fits", lambda *a: False)
+    def engine(panels: bool = True, **kw) -> LLMEngine:
+        # without quantkit's panel GEMM the layers load for PyTorch's matmuls, as on a CPU without AVX-512 BF16
+        off = contextlib.nullcontext() if panels else mock.patch.object(linear, "_panels_fit", lambda *a: False)
         with off:
             return LLMEngine(args.ckpt, EngineConfig(dtype="bf16", kv_cache_memory=512 << 20, kv_cache_dtype=args.kv_cache_dtype, **kw))
 
-    engines = {"pytorch ops": engine(fused=False), "fused, pytorch int4 matmul": engine(int4_gemm=False), "fused": engine(),
+    engines = {"pytorch ops": engine(fused=False), "fused, pytorch matmuls": engine(panels=False), "fused": engine(),
                "fused + int8 lm_head": engine(lm_head="int8")}
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     times: dict[str, list[float]] = {name: [] for name in engines}

@@ -96,7 +96,7 @@ def test_int4_gemm_matches_reference_and_is_batch_invariant(group, sym):
     from quantkit.quant.qparams import dequantize
     from quantkit.runtime.layers.linear import Linear, QuantWeight
 
-    if not fused_ops().int4_gemm_available():
+    if not fused_ops().panel_gemm_available():
         pytest.skip("this CPU has no AVX-512 BF16")
     gen = torch.Generator().manual_seed(6)
     out_f, in_f = 48, 1536
@@ -105,7 +105,7 @@ def test_int4_gemm_matches_reference_and_is_batch_invariant(group, sym):
     scale = torch.rand(out_f, groups, generator=gen) * 0.05 + 0.01
     zp = None if sym else torch.randint(-8, 8, (out_f, groups), generator=gen, dtype=torch.int8)
     lin = Linear(QuantWeight(q, scale, zp, 4, group), None, torch.bfloat16, "packed", fused=True)
-    assert lin.mode == "int4_gemm"
+    assert lin.mode == "int4_panels"
     x = torch.randn(100, in_f, generator=gen).bfloat16()
     w = dequantize(q, scale, zp).double()  # exact: (q - zp) * scale in float32
     full = lin(x)
@@ -113,6 +113,27 @@ def test_int4_gemm_matches_reference_and_is_batch_invariant(group, sym):
     assert ((full.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * want.abs().max()).all()
     for rows in (1, 2, 3, 5, 7, 13, 30, 97):
         assert torch.equal(lin(x[:rows]), full[:rows])
+
+
+def test_bf16_panel_gemm_lm_head_matches_and_serves_embedding_rows():
+    """A dense bf16 weight in panels (the lm_head): the product equals float64's up to float32 sums and bf16
+    output rounding, is batch-invariant, and `rows` reads back the exact weight rows (the tied embedding)."""
+    from quantkit.runtime.layers.linear import Linear
+
+    if not fused_ops().panel_gemm_available():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(80, 576, generator=gen).bfloat16()
+    head = Linear(w, None, torch.bfloat16, "packed", fused=True, bf16_panels=True)
+    assert head.mode == "bf16_panels"
+    x = torch.randn(40, 576, generator=gen).bfloat16()
+    full = head(x)
+    want = x.double() @ w.double().T
+    assert ((full.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * want.abs().max()).all()
+    for rows in (1, 2, 5, 12, 33):
+        assert torch.equal(head(x[:rows]), full[:rows])
+    ids = torch.tensor([0, 17, 79, 17, 40])
+    assert torch.equal(head.rows(ids), w[ids])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

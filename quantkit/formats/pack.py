@@ -56,7 +56,7 @@ def unpack_int4_rows(packed: Tensor, length: int) -> Tensor:
 
 
 def pack_int4_panels(q: Tensor, panel: int = 16) -> Tensor:
-    """The CPU int4 GEMM's layout (kernels/csrc/int4_gemm.h): int8 [out, in] in [-8, 7] -> uint8
+    """The CPU int4 GEMM's layout (kernels/csrc/panel_gemm.h): int8 [out, in] in [-8, 7] -> uint8
     [out / panel, in / 2, panel], byte c of pair p holding input 2p (low nibble) and 2p + 1 (high nibble) of
     the panel's channel c, offset +8. A panel's pair of inputs is one 16-byte load for all its channels."""
     out_features, in_features = q.shape

@@ -25,7 +25,7 @@ from quantkit.runtime.kv_cache import CacheSpec, KVCache
 from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
 from quantkit.runtime.layers.linear import KERNELS
 from quantkit.runtime.models.llama import LlamaModel
-from quantkit.runtime.sampler import Sample, SamplingParams, sample, scored
+from quantkit.runtime.sampler import Sample, SamplingParams, sample_rows, scored
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
 from quantkit.runtime.sequence import Sequence, Status
 
@@ -154,6 +154,12 @@ class LLMEngine:
             top = seq.params.prompt_logprobs
             lps = logits[row : row + len(seq.prompt) - 1 - first].log_softmax(-1)
             seq.prompt_samples += [scored(lp, seq.prompt[first + i + 1], top) for i, lp in enumerate(lps)]
+        plain = [(seq, row) for seq, row in wants if seq.params.max_tokens and seq.json_state is None]
+        samples = {}
+        if plain:
+            rows = logits if len(plain) == len(logits) else logits[[row for _, row in plain]]  # (a pure decode: every row)
+            drawn = sample_rows(rows, [seq.params for seq, _ in plain], [seq.tokens for seq, _ in plain], [seq.generator for seq, _ in plain])
+            samples = {seq.id: s for (seq, _), s in zip(plain, drawn)}
         for seq, row in wants:
             if seq.params.max_tokens == 0:
                 s = None
@@ -161,7 +167,7 @@ class LLMEngine:
                 s, seq.json_state = choose(logits[row], seq.params, seq.tokens, seq.generator, seq.json_state, self.piece,
                                            min(self.eos))
             else:
-                s = sample(logits[row], seq.params, seq.tokens, seq.generator)
+                s = samples[seq.id]
             outputs.append(self._advance(seq, s))
         return outputs
 

@@ -10,7 +10,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "int4_gemm.h"
+#include "panel_gemm.h"
 
 #include <algorithm>
 #if defined(__AVX512F__)
@@ -391,9 +391,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-// --- 4-bit linear layers (int4_gemm.h) ----------------------------------------------------------------------
+// --- panel GEMM: int4 layers and the lm_head (panel_gemm.h) -------------------------------------------------------
 
-bool int4_gemm_available() {
+bool panel_gemm_available() {
 #if defined(__AVX512BF16__)
   return true;
 #else
@@ -401,19 +401,21 @@ bool int4_gemm_available() {
 #endif
 }
 
-// x [M, K] bf16, packed uint8 [N/16, K/2, 16], params f32 [2, N/16, G, 16] (scales, 136 + zero points) -> [M, N] bf16
-at::Tensor int4_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& params, int64_t group) {
+// x [M, K] bf16 -> [M, N] bf16, with w either int4 panels uint8 [N/16, K/2, 16] and params f32 [2, N/16, K/group, 16]
+// (scales, 136 + zero points), or bf16 panels [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
+at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kBFloat16, "int4_gemm: x must be 2-D bfloat16");
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kBFloat16, "panel_gemm: x must be 2-D bfloat16");
+  const bool dense = w.scalar_type() == at::kBFloat16;
   const at::Tensor x = x_.contiguous();
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
-  TORCH_CHECK(packed.size(1) * 2 == k && packed.size(2) == int4::kPanel && group % 2 == 0 && k % group == 0 &&
-                  params.size(2) == groups && params.size(3) == int4::kPanel,
-              "int4_gemm: weight layout does not match x");
-  at::Tensor y = at::empty({m, packed.size(0) * int4::kPanel}, x.options());
+  TORCH_CHECK(w.is_contiguous() && w.size(1) * 2 == k && w.size(2) == panel::kPanel && group % 2 == 0 && k % group == 0 &&
+                  params.size(2) == groups && params.size(3) == panel::kPanel && (!dense || groups == 1),
+              "panel_gemm: weight layout does not match x");
+  at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   std::vector<float> xsum(m * groups);
-  for (int64_t i = 0; i < m * groups; ++i) {  // sum of x over each group, float32
+  for (int64_t i = 0; i < m * groups && !dense; ++i) {  // sum of x over each group, float32 (a bf16 weight has zeros 0)
     const uint16_t* g = xp + i * group;
     int64_t c = 0;
     __m512 acc = _mm512_setzero_ps();
@@ -427,11 +429,11 @@ at::Tensor int4_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::T
   }
   const float* pp = params.data_ptr<float>();
   const int64_t plane = params.numel() / 2;
-  int4::run({xp, packed.data_ptr<uint8_t>(), xsum.data(), pp, pp + plane,
-             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k, y.size(1), groups, group});
+  panel::run({xp, dense ? nullptr : w.data_ptr<uint8_t>(), dense ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr,
+             xsum.data(), pp, pp + plane, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k, y.size(1), groups, group});
   return y;
 #else
-  TORCH_CHECK(false, "int4_gemm needs AVX-512 BF16");
+  TORCH_CHECK(false, "panel_gemm needs AVX-512 BF16");
 #endif
 }
 
@@ -442,7 +444,7 @@ at::Tensor int4_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::T
 // A linear layer as the runtime holds it: PyTorch's packed int4 or int8 op, or a dense weight; optional bias.
 struct Linear {
   // 0 PyTorch's int4 (w packed, s scales_zeros, group), 1 int8 (w int8, s scale per row), 2 dense (w [out, in]),
-  // 3 int4_gemm (w panels, s params, group)
+  // 3 panel_gemm (w int4 or bf16 panels, s params, group)
   int64_t mode;
   at::Tensor w, s;
   int64_t group;
@@ -451,7 +453,7 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const {  // x [t, in] -> [t, out]
     at::Tensor y = mode == 0   ? at::_weight_int4pack_mm_for_cpu(x, w, group, s)
                    : mode == 1 ? at::_weight_int8pack_mm(x, w, s)
-                   : mode == 3 ? int4_gemm(x, w, s, group)
+                   : mode == 3 ? panel_gemm(x, w, s, group)
                                : at::mm(x, w.t());
     return bias ? y.add_(*bias) : y;
   }
@@ -509,8 +511,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_);
   m.def("silu_mul", &silu_mul);
   m.def("decode_attention", &decode_attention);
-  m.def("int4_gemm_available", &int4_gemm_available);
-  m.def("int4_gemm", &int4_gemm);
+  m.def("panel_gemm_available", &panel_gemm_available);
+  m.def("panel_gemm", &panel_gemm);
   py::class_<Linear>(m, "Linear").def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>());
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, double>())

@@ -2,7 +2,7 @@
 
 Kernels: "reference" dequantizes on every call (the oracle), "dense" dequantizes once at load (fast for
 large batches, no memory saving), "packed" keeps int4/int8 weights packed: for bf16 int4 with the fused CPU
-ops on AVX-512 BF16, quantkit's own int4 GEMM (kernels/csrc/int4_gemm.h, ~2x PyTorch's at 8-64 rows),
+ops on AVX-512 BF16, quantkit's own int4 GEMM (kernels/csrc/panel_gemm.h, ~2x PyTorch's at 8-64 rows),
 else PyTorch's CPU integer matmuls where the shape allows, the reference otherwise; "triton" (GPU) keeps the checkpoint's int32
 packing and dequantizes inside a Triton GEMM, switching to a dense copy above `TRITON_DENSE_ROWS` rows
 where the INT kernel loses to cuBLAS.
@@ -59,11 +59,19 @@ class Linear(nn.Module):
     """y = x W^T (+ b). Holds the weight in the layout its kernel reads."""
 
     def __init__(self, weight: Tensor | QuantWeight, bias: Tensor | None, dtype: torch.dtype, kernel: str = "packed",
-                 fused: bool = False):
+                 fused: bool = False, bf16_panels: bool = False):
+        """`bf16_panels`: hold a dense bf16 weight in the panel GEMM's layout (fused CPU ops on AVX-512 BF16),
+        for the lm_head, whose rows are few (a dense GEMM wins above ~512 rows, so not for layers that prefill)."""
         super().__init__()
         self.dtype = dtype
         self.bias = None if bias is None else bias.to(dtype)
         self.mode = "dense"
+        if isinstance(weight, Tensor) and bf16_panels and fused and _panels_fit(weight.shape, weight.shape[1], dtype):
+            n, k = weight.shape
+            self.mode = "bf16_panels"
+            self.panels = weight.to(dtype).view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()  # [n / 16, k / 2, 16, 2]
+            self.params = torch.stack([torch.ones(n // 16, 1, 16), torch.zeros(n // 16, 1, 16)])  # scale 1, zero 0
+            return
         if isinstance(weight, Tensor):
             self.weight = weight.to(dtype).contiguous()
             return
@@ -74,11 +82,11 @@ class Linear(nn.Module):
             self.mode, self.qw = "triton", weight
             self.words = pack_int32(weight.q, weight.bits, dim=1)  # [out, in * bits / 32]
             self.scale_t = weight.scale.to(dtype).contiguous()
-        elif kernel == "packed" and fused and _int4_gemm_fits(weight, dtype):
-            self.mode, self.group = "int4_gemm", weight.group_size or in_features
+        elif kernel == "packed" and fused and weight.bits == 4 and _panels_fit(weight.shape, weight.group_size or in_features, dtype):
+            self.mode, self.group = "int4_panels", weight.group_size or in_features
             self.packed = pack_int4_panels(weight.q)  # [out / 16, in / 2, 16]
             scale = weight.scale.float()  # [out, groups]
-            offset = 136.0 + (torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float())  # see int4_gemm.h
+            offset = 136.0 + (torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float())  # see panel_gemm.h
             params = torch.stack([scale, offset])  # [2, out, groups]
             self.params = params.view(2, out_features // 16, 16, -1).transpose(2, 3).contiguous()  # [2, out / 16, groups, 16]
         elif (kernel == "packed" and weight.bits == 4 and dtype != torch.float32
@@ -96,8 +104,10 @@ class Linear(nn.Module):
             self.weight = weight.dequantize(dtype)
 
     def forward(self, x: Tensor) -> Tensor:  # x [t, in] -> [t, out]
-        if self.mode == "int4_gemm":
-            y = fused_kernels.ops().int4_gemm(x, self.packed, self.params, self.group)
+        if self.mode == "int4_panels":
+            y = fused_kernels.ops().panel_gemm(x, self.packed, self.params, self.group)
+        elif self.mode == "bf16_panels":
+            y = fused_kernels.ops().panel_gemm(x, self.panels, self.params, x.shape[1])
         elif self.mode == "int4" and x.shape[0] > PACKED_MAX_ROWS:
             y = x @ cpu.dequant_int4(self.words, self.scale_t, self.zero_point, x.shape[1], x.dtype).T
         elif self.mode == "int4":
@@ -116,14 +126,19 @@ class Linear(nn.Module):
             y = x @ self.weight.T
         return y if self.bias is None else y + self.bias
 
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows of a dense weight (a tied lm_head serving as the embedding): ids [T] -> [T, in]."""
+        if self.mode == "bf16_panels":
+            return self.panels[ids // 16, :, ids % 16, :].reshape(len(ids), -1)
+        return self.weight[ids]
 
-def _int4_gemm_fits(w: QuantWeight, dtype: torch.dtype) -> bool:
+
+def _panels_fit(shape: tuple[int, int], group: int, dtype: torch.dtype) -> bool:
     """bf16 activations, 16-channel panels, groups of an even size dividing the row, and a CPU with AVX-512 BF16."""
-    out_features, in_features = w.shape
-    group = w.group_size or in_features
+    out_features, in_features = shape
     ops = fused_kernels.ops()
-    return (w.bits == 4 and dtype == torch.bfloat16 and out_features % 16 == 0 and group % 2 == 0 and in_features % group == 0
-            and ops is not None and ops.int4_gemm_available())
+    return (dtype == torch.bfloat16 and out_features % 16 == 0 and group % 2 == 0 and in_features % group == 0
+            and ops is not None and ops.panel_gemm_available())
 
 
 def to_device(module: nn.Module, device: str) -> None:

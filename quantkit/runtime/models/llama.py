@@ -126,8 +126,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, dtype, kernel, self.fused) for i in range(cfg.num_layers))
         self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype, self.fused)
         head = w.get("lm_head.weight")
-        head = self.embed if head is None or cfg.tie_word_embeddings else head
-        self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel)
+        tied = head is None or cfg.tie_word_embeddings
+        head = self.embed if tied else head
+        self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel, self.fused, bf16_panels=True)
+        if tied and self.lm_head.mode == "bf16_panels":  # the embedding reads its rows from the head's panels: one copy
+            self.embed = None
         self.rotary = Rotary(AutoConfig.from_pretrained(path), dtype, device)
         self.kv_scales = self._kv_scales(w)
         self.decoder = (FusedDecoder.build(self.layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
@@ -145,7 +148,7 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def forward(self, batch: Batch, cache: KVCache) -> Tensor:
         """-> float32 logits [S, vocab] at `batch.logits_index`."""
-        x = self.embed[batch.tokens]  # [T, hidden]
+        x = self.embed[batch.tokens] if self.embed is not None else self.lm_head.rows(batch.tokens)  # [T, hidden]
         cos, sin = self.rotary(batch.positions)
         if self.decoder is not None and self.decoder.runs(batch):
             x = self.decoder(x, cos, sin, batch, cache)
