@@ -6,15 +6,20 @@ import torch
 from quantkit.kernels import cpu, reference
 
 
-@pytest.mark.parametrize("group, sym", [(32, True), (64, False), (None, True), (None, False)])
-def test_int4_packed_matmul_matches_reference(group, sym):
-    gen = torch.Generator().manual_seed(0)
-    out_f, in_f = 96, 256
+def random_int4(out_f: int, in_f: int, group: int | None, sym: bool, seed: int):
+    """-> (generator, q int8 [out, in], scale [out, groups], zero point or None) of a random int4 weight."""
+    gen = torch.Generator().manual_seed(seed)
     groups = 1 if group is None else in_f // group
     q = torch.randint(-8, 8, (out_f, in_f), generator=gen, dtype=torch.int8)
     scale = torch.rand(out_f, groups, generator=gen) * 0.05 + 0.01
     zp = None if sym else torch.randint(-8, 8, (out_f, groups), generator=gen, dtype=torch.int8)
-    x = torch.randn(5, in_f, generator=gen)
+    return gen, q, scale, zp
+
+
+@pytest.mark.parametrize("group, sym", [(32, True), (64, False), (None, True), (None, False)])
+def test_int4_packed_matmul_matches_reference(group, sym):
+    gen, q, scale, zp = random_int4(96, 256, group, sym, seed=0)
+    x = torch.randn(5, 256, generator=gen)
     packed, sz, g = cpu.repack_int4(q, scale, zp, group, torch.float32)
     want = reference.dequant_linear(x, q, scale, zp)
     got = cpu.int4_linear(x, packed, sz, g)
@@ -98,15 +103,10 @@ def test_int4_gemm_matches_reference_and_is_batch_invariant(group, sym):
 
     if not fused_ops().panel_gemm_available():
         pytest.skip("this CPU has no AVX-512 BF16")
-    gen = torch.Generator().manual_seed(6)
-    out_f, in_f = 48, 1536
-    groups = 1 if group is None else in_f // group
-    q = torch.randint(-8, 8, (out_f, in_f), generator=gen, dtype=torch.int8)
-    scale = torch.rand(out_f, groups, generator=gen) * 0.05 + 0.01
-    zp = None if sym else torch.randint(-8, 8, (out_f, groups), generator=gen, dtype=torch.int8)
+    gen, q, scale, zp = random_int4(48, 1536, group, sym, seed=6)
     lin = Linear(QuantWeight(q, scale, zp, 4, group), None, torch.bfloat16, "packed", fused=True)
     assert lin.mode == "int4_panels"
-    x = torch.randn(100, in_f, generator=gen).bfloat16()
+    x = torch.randn(100, 1536, generator=gen).bfloat16()
     w = dequantize(q, scale, zp).double()  # exact: (q - zp) * scale in float32
     full = lin(x)
     want = x.double() @ w.T
