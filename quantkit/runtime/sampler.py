@@ -78,25 +78,19 @@ def filter_logits(logits: Tensor, p: SamplingParams) -> Tensor:
     return logits
 
 
-def sample(logits: Tensor, p: SamplingParams, seen: list[int], generator: torch.Generator | None) -> Sample:
-    """logits [vocab] float32 -> the next token, with its log-probability under the model's distribution."""
-    return sample_rows(logits[None], [p], [seen], [generator])[0]
-
-
 def sample_rows(logits: Tensor, params: list[SamplingParams], seen: list[list[int]], generators: list[torch.Generator | None]) -> list[Sample]:
-    """logits [S, vocab] float32 -> one sample a row. The log-softmax and the greedy argmax run once for the
-    batch: per row they were ~3 ms of a 32-sequence CPU step."""
+    """logits [S, vocab] float32 -> the next token of each row, with its log-probability under the model's
+    distribution. The log-softmax and the greedy argmax run once for the batch (per row they were ~3 ms of a
+    32-sequence CPU step)."""
     logprobs = logits.log_softmax(-1)  # [S, vocab]
-    best = logits.argmax(-1).tolist()
+    best = logits.argmax(-1).tolist() if any(p.greedy for p in params) else []
     out = []
     for i, p in enumerate(params):
-        if p.greedy and (p.repetition_penalty == 1.0 or not seen[i]):  # no penalty to apply
+        if p.greedy and (p.repetition_penalty == 1.0 or not seen[i]):  # nothing to penalize: the batch's argmax
             token = best[i]
-        elif p.greedy:
-            token = int(penalize(logits[i], seen[i], p.repetition_penalty).argmax())
         else:
             adjusted = penalize(logits[i], seen[i], p.repetition_penalty)
-            token = int(torch.multinomial(filter_logits(adjusted, p).softmax(-1), 1, generator=generators[i]))
+            token = int(adjusted.argmax()) if p.greedy else int(torch.multinomial(filter_logits(adjusted, p).softmax(-1), 1, generator=generators[i]))
         out.append(scored(logprobs[i], token, p.logprobs))
     return out
 

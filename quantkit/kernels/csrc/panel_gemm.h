@@ -1,7 +1,7 @@
 // y = x W^T for 4-bit weights and bfloat16 activations, on AVX-512 BF16 (vdpbf16ps): the linear layers of a
-// batched decode step. PyTorch's int4 op runs ~150-170 GFLOP/s here at 8-64 rows, half of what a bf16 GEMM
-// reaches on the same shapes; this kernel unpacks each weight once per call into registers' worth of bf16
-// and reuses it for every row.
+// batched decode step. PyTorch's int4 op runs at about half the rate of a bf16 GEMM on the same shapes at
+// 8-64 rows; this kernel unpacks each weight once per call into bf16 and reuses it for every row: ~2x the
+// int4 op at 32 rows, level at one (bench/panel_gemm.py).
 //
 // Weight layout (repacked at load, formats/pack.py `pack_int4_panels`): panels of 16 output channels,
 //   packed uint8 [N/16, K/2, 16]: byte c of pair p = u[c, 2p] | u[c, 2p+1] << 4, with u = q + 8 in [0, 15]
@@ -12,7 +12,7 @@
 // Each output is computed the same way whatever the batch, so a row's result does not depend on its batch.
 //
 // The same tiles serve a bfloat16 weight held as panels of pairs, bf16 [N/16, K/2, 16, 2] (one group, scale 1,
-// zero 0): the lm_head, ~1.6x oneDNN's bf16 GEMM at 32 rows here.
+// zero 0): the lm_head, 2.5x oneDNN's bf16 GEMM at one row here and 1.3x at 32 (bench/panel_gemm.py).
 
 #pragma once
 
@@ -41,8 +41,8 @@ inline __m512i unpack(const uint8_t* p) {
 
 struct Problem {
   const uint16_t* x;   // [M, K] bfloat16
-  const uint8_t* packed;  // [N/16, K/2, 16], or null for
-  const uint16_t* dense;  // bf16 [N/16, K/2, 16, 2]
+  const uint8_t* packed;  // int4 panels [N/16, K/2, 16]; null when the weight is
+  const uint16_t* dense;  // bf16 panels [N/16, K/2, 16, 2] (else null)
   const float* xsum;   // [M, G] float32 sum of x over each group
   const float* scale;  // [N/16, G, 16]
   const float* zero;   // [N/16, G, 16]: 136 + zero_point

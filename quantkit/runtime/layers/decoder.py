@@ -2,9 +2,9 @@
 
 With 4-bit weights a CPU decode step is bound by call overhead more than by arithmetic: each layer is a
 dozen calls, and the Python interpreter between them cost ~1/4 of a single-stream token. The C++ loop makes
-the same calls (quantkit's int4 GEMM, PyTorch's packed int4/int8 ops or a dense matmul, then the fused norm, rotary, attention
-and SiLU ops) with the same roundings, so it changes speed, not outputs. Prefill and mixed batches keep
-the Python layers.
+the same calls (quantkit's panel GEMM, PyTorch's packed int4/int8 ops or a dense matmul, then the fused
+norm, rotary, attention and SiLU ops) with the same roundings, so it changes speed, not outputs. Prefill
+and mixed batches keep the Python layers.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Linear layers over dense or compressed-tensors weights, repacked once at load for the chosen kernel.
 
 Kernels: "reference" dequantizes on every call (the oracle), "dense" dequantizes once at load (fast for
-large batches, no memory saving), "packed" keeps int4/int8 weights packed: for bf16 int4 with the fused CPU
-ops on AVX-512 BF16, quantkit's own int4 GEMM (kernels/csrc/panel_gemm.h, ~2x PyTorch's at 8-64 rows),
-else PyTorch's CPU integer matmuls where the shape allows, the reference otherwise; "triton" (GPU) keeps the checkpoint's int32
-packing and dequantizes inside a Triton GEMM, switching to a dense copy above `TRITON_DENSE_ROWS` rows
+large batches, no memory saving), "packed" keeps int4/int8 weights packed: for bf16 int4 with the fused
+CPU ops on AVX-512 BF16, quantkit's own panel GEMM (kernels/csrc/panel_gemm.h, ~2x PyTorch's int4 op at
+8-64 rows), else PyTorch's CPU integer matmuls where the shape allows, the reference otherwise; "triton"
+(GPU) keeps the checkpoint's int32 packing and dequantizes inside a Triton GEMM, switching to a dense copy above `TRITON_DENSE_ROWS` rows
 where the INT kernel loses to cuBLAS.
 """
 
@@ -61,7 +61,7 @@ class Linear(nn.Module):
     def __init__(self, weight: Tensor | QuantWeight, bias: Tensor | None, dtype: torch.dtype, kernel: str = "packed",
                  fused: bool = False, bf16_panels: bool = False):
         """`bf16_panels`: hold a dense bf16 weight in the panel GEMM's layout (fused CPU ops on AVX-512 BF16),
-        for the lm_head, whose rows are few (a dense GEMM wins above ~512 rows, so not for layers that prefill)."""
+        for the lm_head, whose rows are few (oneDNN wins on prefill-sized inputs, so not for dense layers)."""
         super().__init__()
         self.dtype = dtype
         self.bias = None if bias is None else bias.to(dtype)
