@@ -181,13 +181,15 @@ def eval_(
     lengths: str = typer.Option("1k,2k", "--lengths", help="Retrieval context lengths in tokens (1k = 1024)."),
     limit: int | None = typer.Option(None, "--limit", help="Items per task and length (rows for ppl/kl)."),
     margin: float = typer.Option(2.0, "--margin", help="Equivalence margin in accuracy points."),
-    bfcl: str = typer.Option("", "--bfcl", help="Also run bfcl-eval's data: e.g. simple,multiple,parallel,irrelevance."),
+    bfcl: str = typer.Option("", "--bfcl", help="Also run bfcl-eval's data: e.g. simple,multiple,parallel,parallel_multiple,irrelevance."),
+    bfcl_limit: int | None = typer.Option(None, "--bfcl-limit", help="A seeded sample of N BFCL items in all, split evenly over the --bfcl categories (the bundled set is then left out)."),
     tool_file: Path | None = typer.Option(None, "--tool-file", help="A BFCL-format JSONL file instead of the bundled set."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated retrieval items."),
     text: str = typer.Option("builtin", "--text", help="Held-out text for ppl/kl: builtin, a .txt/.jsonl/.parquet file, or a datasets name."),
     text_split: str = typer.Option("test", "--text-split", help="Split of a datasets --text."),
     text_column: str = typer.Option("text", "--text-column", help="Text column of a JSONL/parquet/datasets --text."),
-    backend: str = typer.Option("hf", "--backend", help="How the quantized model runs: hf (HF transformers), runtime (quantkit's engine) or endpoint (--endpoint URL)."),
+    backend: str = typer.Option("runtime", "--backend", help="How both models run here: runtime (quantkit's engine, what serve serves) or hf (HF transformers, the cross-check); endpoint: the quantized model at --endpoint URL."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Compute dtype of the local backends: bf16, fp16 or fp32."),
     endpoint: str | None = typer.Option(None, "--endpoint", help="OpenAI-compatible base URL serving CKPT, e.g. http://127.0.0.1:8000/v1."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer key for --endpoint."),
     served_model: str | None = typer.Option(None, "--served-model-name", help="Model name at --endpoint.  [default: the first in GET /models]"),
@@ -207,20 +209,23 @@ def eval_(
     if bad := [t for t in chosen if t not in TASKS]:
         raise QuantkitError(f"--tasks: unknown task {bad[0]!r} (known: {', '.join(TASKS)})")
     if backend not in ("hf", "runtime", "endpoint"):
-        raise QuantkitError(f"--backend {backend}: use hf, runtime or endpoint")
-    if backend == "endpoint":
+        raise QuantkitError(f"--backend {backend}: use runtime, hf or endpoint")
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise QuantkitError(f"--dtype {dtype}: use bf16, fp16 or fp32")
+    if bfcl_limit is not None and (bfcl_limit < 1 or not bfcl):
+        raise QuantkitError("--bfcl-limit needs a positive N and --bfcl categories")
+    if backend == "endpoint" or endpoint:
         if not endpoint:
             raise QuantkitError("--backend endpoint needs --endpoint URL (e.g. http://127.0.0.1:8000/v1)")
         if tasks == TASKS_DEFAULT:  # an endpoint returns no logits: the generation tasks are what it can run
             chosen = ("retrieval", "tool-use")
         elif {"ppl", "kl"} & set(chosen):
             raise QuantkitError("ppl and kl need full logits, which an endpoint does not return: use --tasks retrieval,tool-use")
-    elif endpoint:
-        backend = "endpoint"
+        backend = "runtime" if backend == "endpoint" else backend  # how the baseline runs here
     cfg = EvalConfig(tasks=chosen, lengths=_lengths(lengths), limit=limit, margin=margin / 100, seed=seed,
                      bfcl=tuple(c for c in bfcl.split(",") if c), tool_file=tool_file, text=text,
                      text_split=text_split, text_column=text_column, cache=not no_cache, backend=backend,
-                     endpoint=endpoint, api_key=api_key, served_model=served_model)
+                     dtype=dtype, bfcl_limit=bfcl_limit, endpoint=endpoint, api_key=api_key, served_model=served_model)
     ui = Reporter(quiet or as_json)
     ckpt = resolve(checkpoint)
     base = resolve(baseline or baseline_of(ckpt.path))
@@ -240,6 +245,15 @@ def eval_(
         table.add_row(r["task"], fmt(r, "baseline"), fmt(r, "quantized"), fmt(r, "diff"), ci_text(r),
                       f"[{color}]{r['verdict']}[/]", str(r["n"]), r["note"])
     stdout.print(table)
+    if cats := report.details.get("tool_use", {}).get("by_category"):
+        by = Table("category", "n", "baseline", "quantized", "diff", "90% CI", "verdict", "lost / gained", "unparsable",
+                   title="tool use by category", title_justify="left")
+        for cat, c in cats.items():
+            pf = c["parse_failures"]
+            by.add_row(cat, str(c["n"]), f"{c['baseline']:.1%}", f"{c['quantized']:.1%}", f"{c['diff']:+.1%}",
+                       f"[{c['ci'][0]:+.1%}, {c['ci'][1]:+.1%}]", c["verdict"], f"{c['lost']} / {c['gained']}",
+                       f"{pf['baseline']} / {pf['quantized']}")
+        stdout.print(by)
     if cached := report.details.get("baseline_cached"):
         stdout.print(f"baseline results reused from the cache: {', '.join(cached)} (--no-cache recomputes)")
     stdout.print(f"wrote {', '.join(files)} to {out}")

@@ -15,25 +15,50 @@ SYSTEM_PROMPT = (
     "If none of the functions applies, answer the request in plain text without any call."
 )
 
+FENCE = re.compile(r"```[ \t]*([A-Za-z_]*)[ \t]*\n?(.*?)(?:```|$)", re.DOTALL)
+PYTHON_CALLS = re.compile(r"^\[?\s*[A-Za-z_][\w.]*\(.*\)\s*\]?$", re.DOTALL)
+
+
 def parse_calls(text: str) -> list[dict] | None:
-    """Calls as `[{name: {args}}]` from <tool_call> blocks (object or list), bare JSON, or python syntax.
+    """Calls as `[{name: {args}}]` from <tool_call> blocks (object or list), fenced ```json blocks (anywhere in
+    the text: models often wrap a call in a fence with prose around it), bare JSON, or python call syntax.
     [] when the text holds no call; None when it tried to call and the call does not parse."""
     blocks = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.DOTALL)
     if blocks:
-        calls = []
-        for b in blocks:
-            parsed = _json_calls(b)
-            if parsed is None:
-                return None
-            calls += parsed
-        return calls
-    stripped = text.strip().strip("`").removeprefix("json").strip()
-    python_like = re.match(r"^\[?\s*[A-Za-z_][\w.]*\(.*\)\s*\]?$", stripped, re.DOTALL)
+        return _all_or_none([_json_calls(b) for b in blocks])
+    fenced = FENCE.findall(text)
+    if fenced:
+        return _all_or_none([_fenced_calls(lang.lower(), body.strip()) for lang, body in fenced])
+    stripped = text.strip()
+    python_like = PYTHON_CALLS.match(stripped)
     if stripped.startswith(("{", "[")) and not python_like:
         return _json_calls(stripped)
     if python_like:
         return _python_calls(stripped)
     return []
+
+
+def only_calls(text: str) -> bool:
+    """Whether the text is nothing but calls: no prose around its <tool_call> blocks or fences."""
+    rest = re.sub(r"<tool_call>.*?(?:</tool_call>|$)", "", text, flags=re.DOTALL)
+    rest = FENCE.sub("", rest) if FENCE.search(rest) else rest
+    return not rest.strip() or rest.strip() == text.strip() and text.strip().startswith(("{", "["))
+
+
+def _fenced_calls(lang: str, body: str) -> list[dict] | None:
+    """A fence tagged json (or untagged and holding JSON) is a call attempt; code in another fence is a call
+    only when it is python call syntax, and otherwise no call at all."""
+    if lang in ("json", "tool_call"):
+        return _json_calls(body)
+    if PYTHON_CALLS.match(body):
+        return _python_calls(body) or []
+    return _json_calls(body) if not lang and body.startswith(("{", "[")) else []
+
+
+def _all_or_none(parts: list[list[dict] | None]) -> list[dict] | None:
+    if any(p is None for p in parts):
+        return None
+    return [c for p in parts for c in p]
 
 
 def _json_calls(text: str) -> list[dict] | None:

@@ -147,6 +147,11 @@ def test_errors_are_openai_style_and_leave_the_server_up(smollm2_server):
         client.completions.create(model="smollm2-w4", prompt="hi", presence_penalty=0.5)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-9", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError, match="unknown message role 'wizard': use one of system, developer, user"):
+        client.chat.completions.create(model="smollm2-w4", messages=[{"role": "wizard", "content": "hi"}])
+    dev = client.chat.completions.create(model="smollm2-w4", max_tokens=2, temperature=0,
+                                         messages=[{"role": "developer", "content": "Be brief."}, *QUESTION])
+    assert dev.choices[0].message.content
     bad = httpx.post(smollm2_server.base + "/v1/chat/completions", content=b'{"messages": [',
                      headers={**smollm2_server.headers(), "Content-Type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("invalid JSON body")

@@ -1,10 +1,10 @@
 """The one small interface evals talk to a model through: chat prompts, token counts, logits, greedy generation.
 
-`HFBackend` runs a dense or compressed-tensors checkpoint in HF transformers (loaded only when first
-asked for logits or text, so a fully cached baseline never loads); `RuntimeBackend` runs it in
-quantkit's own decode runtime; `EndpointBackend` sends the same
-prompts to any OpenAI-compatible server (vLLM, `quantkit serve`). Both format prompts with the model's
-own tokenizer and chat template, so the two backends see byte-identical prompts.
+`RuntimeBackend` (the default) runs a dense or compressed-tensors checkpoint in quantkit's own decode
+runtime, what `quantkit serve` serves; `HFBackend` runs it in HF transformers, the cross-check; both load
+the model only when first asked for logits or text, so a fully cached baseline never loads.
+`EndpointBackend` sends the same prompts to any OpenAI-compatible server (vLLM, `quantkit serve`). All
+format prompts with the model's own tokenizer and chat template, so every backend sees byte-identical prompts.
 """
 
 from __future__ import annotations
@@ -118,43 +118,54 @@ class HFBackend(TokenizerMixin):
 
 
 class RuntimeBackend(TokenizerMixin):
-    """quantkit's own decode runtime: greedy generation with continuous batching, logits from a prefill."""
+    """quantkit's own decode runtime: greedy generation with continuous batching and the prefix cache (tool
+    prompts share their long system and tools preamble), logits from a prefill. The engine is built on first
+    use, so a baseline whose results all come from the cache never loads."""
 
     kind = "runtime"
 
-    def __init__(self, path: Path, name: str, dtype: str = "bf16"):
-        from quantkit.runtime import EngineConfig, LLMEngine
-
-        self.name, self.path = name, path
+    def __init__(self, path: Path, name: str, dtype: str = "bf16", kv_cache_memory: int = 1 << 30):
+        self.name, self.path, self.dtype, self.kv_cache_memory = name, path, dtype, kv_cache_memory
+        self._engine = None
         self._load_tokenizer(path)
-        self.engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_memory=1 << 30), tokenizer=self.tokenizer)
-        self.context_length = self.engine.context_length
+        self.context_length = _context_length(path)
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            from quantkit.runtime import EngineConfig, LLMEngine
+
+            self._engine = LLMEngine(self.path, EngineConfig(dtype=self.dtype, kv_cache_memory=self.kv_cache_memory),
+                                     tokenizer=self.tokenizer)
+        return self._engine
 
     @property
     def identity(self) -> dict:
         from quantkit.eval.cache import model_hash
 
-        return {"model": model_hash(self.path), "backend": self.kind, "dtype": str(self.engine.dtype)}
+        return {"model": model_hash(self.path), "backend": self.kind, "dtype": self.dtype}
 
     def logits(self, ids: Tensor) -> Tensor:
         """ids [b, seq] -> [b, seq, vocab] float32, one sequence at a time through the engine's prefill."""
         from quantkit.runtime.layers.attention import Batch
 
-        bs, out = self.engine.cfg.block_size, []
+        engine = self.engine
+        bs, out = engine.cfg.block_size, []
         for row in ids:
-            if -(-len(row) // bs) > self.engine.cache.num_blocks:
+            if -(-len(row) // bs) > engine.cache.num_blocks:
                 raise QuantkitError(f"a row of {len(row)} tokens does not fit the runtime's KV cache")
-            out.append(self.engine.model(Batch.single(row, bs, all_logits=True), self.engine.cache))
+            out.append(engine.model(Batch.single(row, bs, all_logits=True), engine.cache))
         return torch.stack(out)
 
     def generate(self, prompts: list[str], max_new_tokens: int, on_item=None) -> list[str]:
         from quantkit.runtime import SamplingParams
 
+        engine = self.engine
         params = SamplingParams(max_tokens=max_new_tokens)
-        ids = [self.engine.add_request(p, params) for p in prompts]
+        ids = [engine.add_request(p, params) for p in prompts]
         done: dict[str, str] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
+        while engine.has_unfinished():
+            for out in engine.step():
                 if out.finished:
                     done[out.id] = out.text
                     if on_item:

@@ -39,6 +39,14 @@ def markdown(report: EvalReport) -> str:
                   "| --- | ---: | ---: | ---: | ---: |"]
         for who, s in report.details["tool_use"]["sub_scores"].items():
             lines.append(f"| {who} | {s['parse_rate']:.0%} | {s['function_choice']:.0%} | {s['arguments']:.0%} | {s['abstention']:.0%} |")
+        lines += ["", "## Tool use by category", "",
+                  "| category | n | baseline | quantized | diff | 90% CI | verdict | lost / gained | unparsable (base / quant) |",
+                  "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
+        for cat, c in report.details["tool_use"].get("by_category", {}).items():
+            pf = c["parse_failures"]
+            lines.append(f"| {cat} | {c['n']} | {c['baseline']:.1%} | {c['quantized']:.1%} | {c['diff']:+.1%} | "
+                         f"[{c['ci'][0]:+.1%}, {c['ci'][1]:+.1%}] | {c['verdict']} | {c['lost']} / {c['gained']} | "
+                         f"{pf['baseline']} / {pf['quantized']} |")
     lines += ["", f"Time per task (s): {report.timings_s}", ""]
     return "\n".join(lines)
 

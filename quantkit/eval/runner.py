@@ -47,7 +47,9 @@ class EvalConfig:
     text_split: str = "test"
     text_column: str = "text"
     cache: bool = True  # reuse baseline results from earlier runs
-    backend: str = "hf"  # for the quantized model: "hf", "runtime" or "endpoint"
+    backend: str = "runtime"  # how both models run locally: "runtime" (quantkit's engine) or "hf" (transformers)
+    dtype: str = "bf16"  # compute dtype of the local backends
+    bfcl_limit: int | None = None  # a seeded sample of this many BFCL items, stratified over the categories
     endpoint: str | None = None
     api_key: str | None = None
     served_model: str | None = None
@@ -139,9 +141,30 @@ def run_retrieval(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter
 
 
 def tool_items(cfg: EvalConfig) -> list[tool_use.ToolItem]:
-    """The bundled set (or --tool-file), then each --bfcl category; --limit applies to each source."""
-    sources = [tool_use.load_items(cfg.tool_file or tool_use.bundled_path())] + [bfcl_items(c) for c in cfg.bfcl]
+    """The bundled set (or --tool-file), then each --bfcl category; --limit applies to each source. With
+    --bfcl-limit N the BFCL items are a seeded sample of N, split evenly over the categories (all of a
+    category smaller than its share), and the bundled set is left out unless --tool-file names one."""
+    bfcl = [bfcl_items(c) for c in cfg.bfcl]
+    if cfg.bfcl_limit:
+        own = [tool_use.load_items(cfg.tool_file)] if cfg.tool_file else []
+        return [it for items in own for it in (items[: cfg.limit] if cfg.limit else items)] + stratified(bfcl, cfg.bfcl_limit, cfg.seed)
+    sources = [tool_use.load_items(cfg.tool_file or tool_use.bundled_path())] + bfcl
     return [it for items in sources for it in (items[: cfg.limit] if cfg.limit else items)]
+
+
+def stratified(groups: list[list], n: int, seed: int) -> list:
+    """n items drawn without replacement, as evenly over the groups as their sizes allow, each group's
+    draw kept in its file order; the same seed gives the same items."""
+    import random
+
+    rng = random.Random(seed)
+    share, left = [0] * len(groups), n
+    while left > 0 and any(share[i] < len(g) for i, g in enumerate(groups)):
+        for i, g in enumerate(groups):
+            if left > 0 and share[i] < len(g):
+                share[i] += 1
+                left -= 1
+    return [g[j] for g, k in zip(groups, share) for j in sorted(rng.sample(range(len(g)), k))]
 
 
 def bfcl_items(category: str) -> list[tool_use.ToolItem]:
@@ -171,21 +194,37 @@ def run_tool_use(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter,
         for who, out in (("baseline", ob), ("quantized", oq)):
             s, calls = tool_use.score_item(it, out)
             scored[who].append(s)
-            row[who] = {"output": out, "calls": calls, "correct": s.correct, "error": s.error}
+            row[who] = {"output": out, "calls": calls, "parsed": s.parsed, "correct": s.correct, "error": s.error}
         report.items.append(row)
     cb = torch.tensor([float(s.correct) for s in scored["baseline"]])
     cq = torch.tensor([float(s.correct) for s in scored["quantized"]])
     paired = compare(cb, cq, cfg.margin, floor=TOOL_FLOOR)
-    sub = {}
-    for who, ss in scored.items():
-        relevant = [s for s, it in zip(ss, items) if it.category != "irrelevance"]
-        abstain = [s for s, it in zip(ss, items) if it.category == "irrelevance"]
-        sub[who] = {"parse_rate": sum(s.parsed for s in ss) / len(ss),
-                    "function_choice": sum(s.right_functions for s in relevant) / max(len(relevant), 1),
-                    "arguments": sum(s.correct for s in relevant) / max(len(relevant), 1),
-                    "abstention": sum(s.correct for s in abstain) / max(len(abstain), 1)}
-    report.details["tool_use"] = {"paired": paired.to_dict(), "sub_scores": sub, "native_tools": base.supports_tools}
-    report.summary.append(_row("tool-use", paired))
+    sub = {who: _tool_sub_scores(ss, items) for who, ss in scored.items()}
+    by_category = {}
+    for cat in dict.fromkeys(it.category for it in items):
+        idx = [i for i, it in enumerate(items) if it.category == cat]
+        p = compare(cb[idx], cq[idx], cfg.margin, floor=TOOL_FLOOR)
+        by_category[cat] = {"n": len(idx), "baseline": p.baseline, "quantized": p.quantized, "diff": p.diff,
+                            "ci": [p.ci_low, p.ci_high], "verdict": p.verdict, "lost": p.flips_lost, "gained": p.flips_gained,
+                            "parse_failures": {who: sum(not scored[who][i].parsed for i in idx) for who in scored}}
+    report.details["tool_use"] = {"paired": paired.to_dict(), "sub_scores": sub, "by_category": by_category,
+                                  "native_tools": base.supports_tools}
+    row = _row("tool-use", paired)
+    fails = {who: sum(not s.parsed for s in ss) for who, ss in scored.items()}
+    if any(fails.values()):
+        row["note"] += f"; unparsable calls: baseline {fails['baseline']}, quantized {fails['quantized']}"
+    report.summary.append(row)
+
+
+def _tool_sub_scores(ss: list, items: list) -> dict:
+    """Where the points went: calls that do not parse (counted apart from wrong calls), the right functions,
+    the right arguments, and abstaining when no function applies."""
+    relevant = [s for s, it in zip(ss, items) if it.category != "irrelevance"]
+    abstain = [s for s, it in zip(ss, items) if it.category == "irrelevance"]
+    return {"parse_rate": sum(s.parsed for s in ss) / len(ss), "parse_failures": sum(not s.parsed for s in ss),
+            "function_choice": sum(s.right_functions for s in relevant) / max(len(relevant), 1),
+            "arguments": sum(s.correct for s in relevant) / max(len(relevant), 1),
+            "abstention": sum(s.correct for s in abstain) / max(len(abstain), 1)}
 
 
 def _row(task: str, p) -> dict:
@@ -201,14 +240,19 @@ def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
     report = EvalReport(str(ckpt.spec), str(baseline.spec), {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
                                                              for k, v in fields.items()})
     cache = ResultCache(enabled=cfg.cache)
+    def local(path: Path, name: str):
+        if cfg.backend == "hf":
+            from quantkit.models import DTYPES
+
+            return HFBackend(path, name, dtype=DTYPES[cfg.dtype])
+        return RuntimeBackend(path, name, dtype=cfg.dtype)
+
     with ui.step("reading both models' tokenizers"):
-        base = HFBackend(baseline.path, "baseline")
-        if cfg.backend == "endpoint":
+        base = local(baseline.path, "baseline")
+        if cfg.endpoint:
             quant = EndpointBackend(cfg.endpoint, ckpt.path, "quantized", cfg.served_model, cfg.api_key)
-        elif cfg.backend == "runtime":
-            quant = RuntimeBackend(ckpt.path, "quantized")
         else:
-            quant = HFBackend(ckpt.path, "quantized")
+            quant = local(ckpt.path, "quantized")
     steps = [("distribution", ("ppl" in cfg.tasks or "kl" in cfg.tasks), run_distribution),
              ("retrieval", "retrieval" in cfg.tasks, run_retrieval), ("tool-use", "tool-use" in cfg.tasks, run_tool_use)]
     for name, wanted, fn in steps:

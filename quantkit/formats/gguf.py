@@ -149,7 +149,7 @@ def convert(path: Path, out: Path, name: str, dtype: torch.dtype = torch.bfloat1
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except Exception as e:  # gguf and transformers raise many kinds on a bad file
             raise QuantkitError(f"cannot read GGUF {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        tensors, processor = plan(path, config)
+        tensors, processor, architecture = plan(path, config)
         check_dequantizable(path, tensors)
         writer = ShardWriter(out, MAX_SHARD_BYTES)
         with open(path, "rb") as f:
@@ -160,13 +160,15 @@ def convert(path: Path, out: Path, name: str, dtype: torch.dtype = torch.bfloat1
         writer.finish()
         config.name_or_path = name
         config.dtype = dtype
+        config.architectures = [architecture]
         config.save_pretrained(out)
         GenerationConfig.from_model_config(config).save_pretrained(out)
         tokenizer.save_pretrained(out)
 
 
-def plan(path: Path, config) -> tuple[list[GGUFTensor], object]:
-    """Every GGUF tensor the model has a place for, with the HF name transformers' loader gives it."""
+def plan(path: Path, config) -> tuple[list[GGUFTensor], object, str]:
+    """Every GGUF tensor the model has a place for, with the HF name transformers' loader gives it; the
+    tensor processor; the model class."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -184,7 +186,7 @@ def plan(path: Path, config) -> tuple[list[GGUFTensor], object]:
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         raw_shape = shape if qtype in _PLAIN else (rows, nbytes // rows)
         tensors.append(GGUFTensor(names[gguf_name], gguf_name, qtype, offset, nbytes, raw_shape, raw_dtype, shape))
-    return tensors, processor
+    return tensors, processor, type(skeleton).__name__
 
 
 def check_dequantizable(path: Path, tensors: list[GGUFTensor]) -> None:

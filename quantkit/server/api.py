@@ -37,7 +37,7 @@ from quantkit.server.protocol import (
     unsupported,
 )
 from quantkit.server.protocol import Request as ApiRequest
-from quantkit.toolcalls import SYSTEM_PROMPT, parse_calls
+from quantkit.toolcalls import SYSTEM_PROMPT, only_calls, parse_calls
 
 
 class ApiError(Exception):
@@ -426,7 +426,7 @@ async def _chat_chunks(api: Api, req: ChatCompletionRequest, rid: str, choices: 
         yield {**head, "choices": [], "usage": _usage(len(choices[0].prompt), completion)}
 
 
-CALL_STARTS = ("<tool_call>", "{", "[")
+CALL_STARTS = ("<tool_call>", "{", "[", "```")
 NAME_START = '<tool_call>{"name": "'
 
 
@@ -486,15 +486,18 @@ def _may_be_call(text: str) -> bool:
 
 
 def _tool_calls(text: str, names: set[str]) -> list[dict] | None:
-    """OpenAI `tool_calls` when the whole output is calls to offered functions (a `<tool_call>` block or a
-    JSON object/list, the forms the tools prompt asks for), else None."""
-    if not text.lstrip().startswith(CALL_STARTS):
+    """OpenAI `tool_calls` when the whole output is calls to offered functions (`<tool_call>` blocks, a JSON
+    object/list, the forms the tools prompt asks for, or the same in a ```json fence), else None."""
+    if not text.lstrip().startswith(CALL_STARTS) or not only_calls(text):
         return None
     calls = parse_calls(text)
     if not calls or not all(next(iter(c)) in names for c in calls):
         return None
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": name, "arguments": json.dumps(args)}} for c in calls for name, args in c.items()]
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _render_chat(api: Api, messages: list, tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
@@ -522,6 +525,10 @@ def _render_chat(api: Api, messages: list, tools: list[dict] | None, add_generat
 def _message(m: Any, native_tools: bool) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ApiError(400, "each message needs a string `role`", param="messages")
+    if m["role"] not in ROLES:
+        raise ApiError(400, f"unknown message role {m['role']!r}: use one of {', '.join(ROLES)}", param="messages")
+    if m["role"] == "developer":  # OpenAI's newer name for the system role; chat templates know only "system"
+        m = {**m, "role": "system"}
     content = m.get("content")
     if isinstance(content, list):  # content parts: only text is understood
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
