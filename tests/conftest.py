@@ -72,6 +72,33 @@ def smollm2_dir() -> Path:
         pytest.skip(str(e))
 
 
+@pytest.fixture(scope="session")
+def qwen05_dir() -> Path:
+    """The real Qwen2.5-Coder-0.5B-Instruct (tools in its chat template), joined from its PyPI parts and
+    converted once; required where QUANTKIT_REQUIRE_QWEN is set (CI), skipped elsewhere when not installed."""
+    from quantkit import QuantkitError
+    from quantkit.models import resolve
+
+    try:
+        return resolve("qwen2.5-coder-0.5b").path
+    except QuantkitError as e:
+        if os.environ.get("QUANTKIT_REQUIRE_QWEN"):
+            raise
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def qwen05_w4(qwen05_dir, tmp_path_factory) -> Path:
+    """`quantkit quantize qwen2.5-coder-0.5b --bits 4` (RTN, group 128), as a user runs it."""
+    from quantkit.cli import main
+
+    out = tmp_path_factory.mktemp("qwen") / "qwen05-w4"
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "qwen2.5-coder-0.5b", "--bits", "4", "-o", str(out), "-q"])
+    assert exc.value.code == 0
+    return out
+
+
 def run_cli(capsys, *args):
     """Run `quantkit ARGS` in-process: (exit code, stdout, stderr)."""
     from quantkit.cli import main

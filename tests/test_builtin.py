@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli
+from tests.conftest import run_cli
 from quantkit import QuantkitError
 from quantkit.builtin import BUILTINS, Builtin, gguf_path
 
