@@ -58,33 +58,30 @@ def odd_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("odd") / "model", hidden=96, intermediate=160)
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """The real SmolLM2-135M-Instruct, converted from the GGUF once (cached under QUANTKIT_CACHE)."""
+def builtin_dir(alias: str, required_by: str) -> Path:
+    """A built-in model's dense checkpoint (converted once, cached under QUANTKIT_CACHE); a missing package
+    skips the test, except where the environment variable `required_by` is set (CI), where it fails."""
     from quantkit import QuantkitError
     from quantkit.models import resolve
 
     try:
-        return resolve("smollm2-135m").path
+        return resolve(alias).path
     except QuantkitError as e:
-        if os.environ.get("QUANTKIT_REQUIRE_SMOLLM2"):
+        if os.environ.get(required_by):
             raise
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct."""
+    return builtin_dir("smollm2-135m", "QUANTKIT_REQUIRE_SMOLLM2")
 
 
 @pytest.fixture(scope="session")
 def qwen05_dir() -> Path:
-    """The real Qwen2.5-Coder-0.5B-Instruct (tools in its chat template), joined from its PyPI parts and
-    converted once; required where QUANTKIT_REQUIRE_QWEN is set (CI), skipped elsewhere when not installed."""
-    from quantkit import QuantkitError
-    from quantkit.models import resolve
-
-    try:
-        return resolve("qwen2.5-coder-0.5b").path
-    except QuantkitError as e:
-        if os.environ.get("QUANTKIT_REQUIRE_QWEN"):
-            raise
-        pytest.skip(str(e))
+    """The real Qwen2.5-Coder-0.5B-Instruct (tools in its chat template), joined from its six PyPI parts."""
+    return builtin_dir("qwen2.5-coder-0.5b", "QUANTKIT_REQUIRE_QWEN")
 
 
 @pytest.fixture(scope="session")
