@@ -227,8 +227,8 @@ def eval_(
                      text_split=text_split, text_column=text_column, cache=not no_cache, backend=backend,
                      dtype=dtype, bfcl_limit=bfcl_limit, endpoint=endpoint, api_key=api_key, served_model=served_model)
     ui = Reporter(quiet or as_json)
-    ckpt = resolve(checkpoint)
-    base = resolve(baseline or baseline_of(ckpt.path))
+    ckpt = resolve(checkpoint, status=ui.note, bar=ui.bar)
+    base = resolve(baseline or baseline_of(ckpt.path), status=ui.note, bar=ui.bar)
     report = run_eval(ckpt, base, cfg, ui)
     files = write(report, out)
     if as_json:
@@ -295,7 +295,7 @@ def serve(
     if max_num_seqs < 1 or max_waiting < 0 or max_num_batched_tokens < 1:
         raise QuantkitError("--max-num-seqs and --max-num-batched-tokens must be >= 1, --max-waiting >= 0")
     ui = Reporter()
-    path = resolve(model, status=ui.note).path
+    path = resolve(model, status=ui.note, bar=ui.bar).path
     name = served_model_name or (model if not Path(model).exists() else Path(model).resolve().name)
     memory = None if kv_cache_memory is None else int(kv_cache_memory * 2**30)
     engine_cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, kernel=kernel,
@@ -384,7 +384,7 @@ def bench(
     if not sizes or min(sizes) < 1 or input_len < 1 or output_len < 2:
         raise QuantkitError("--batch-sizes, --input-len must be >= 1 and --output-len >= 2")
     ui = Reporter(quiet or as_json)
-    path = resolve(offline, status=ui.note).path
+    path = resolve(offline, status=ui.note, bar=ui.bar).path
     results, kv = [], {}
     if repeats < 1:
         raise QuantkitError("--repeats must be >= 1")

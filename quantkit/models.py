@@ -44,17 +44,18 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def resolve(spec: str, status=None) -> ResolvedModel:
-    """Resolve MODEL; `status(msg)` is told about slow one-time work (GGUF conversion, downloads)."""
+def resolve(spec: str, status=None, bar=None) -> ResolvedModel:
+    """Resolve MODEL; `status(msg)` is told about slow one-time work (GGUF conversion, downloads), and
+    `bar(description, total)` (ui.Reporter.bar) draws the conversion's progress."""
     say = status or (lambda msg: None)
     if spec in BUILTINS:
         gguf = gguf_path(spec, cache_dir(), say)
-        return ResolvedModel(spec, "alias", _gguf_to_dir(gguf, BUILTINS[spec].name, say), gguf)
+        return ResolvedModel(spec, "alias", _gguf_to_dir(gguf, BUILTINS[spec].name, say, bar), gguf)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise QuantkitError(f"model not found: no GGUF file at {spec}")
-        return ResolvedModel(spec, "gguf", _gguf_to_dir(path.resolve(), path.stem, say), path.resolve())
+        return ResolvedModel(spec, "gguf", _gguf_to_dir(path.resolve(), path.stem, say, bar), path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise QuantkitError(f"{spec} is a directory but has no config.json: not a Hugging Face model")
@@ -91,7 +92,7 @@ def builtin_status(alias: str) -> dict:
             "parts": {"found": sum(f is not None for f in files), "total": len(files)}}
 
 
-def _gguf_to_dir(gguf: Path, name: str, say) -> Path:
+def _gguf_to_dir(gguf: Path, name: str, say, bar=None) -> Path:
     """Dequantize a GGUF into a cached dense HF directory (once; keyed by file size and mtime), tensor by
     tensor (formats/gguf.py); the directory is renamed into place only when complete."""
     from quantkit.formats.gguf import check_architecture, convert
@@ -106,7 +107,11 @@ def _gguf_to_dir(gguf: Path, name: str, say) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        convert(gguf, tmp, name)
+        if bar is None:
+            convert(gguf, tmp, name)
+        else:
+            with bar(f"converting {gguf.name} (tensors)", None) as advance:
+                convert(gguf, tmp, name, on_tensor=lambda done, total: advance(1, total=total))
         tmp.rename(out)
     except OSError as e:
         raise QuantkitError(f"cannot write the converted checkpoint to {out.parent}: {e}") from e
