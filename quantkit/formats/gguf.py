@@ -19,12 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from quantkit import QuantkitError
 
-# GGUF architecture -> transformers model type quantkit runs (a llama GGUF named "mistral" is Mistral).
-SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # GGUF names; a llama GGUF named "mistral" loads as Mistral
 ROW_BLOCK_BYTES = 32 << 20  # dequantize big tensors this many float32 bytes at a time
 MAX_SHARD_BYTES = 2 << 30
 _PLAIN = {GGMLQuantizationType.F32: np.dtype(np.float32), GGMLQuantizationType.F16: np.dtype(np.float16)}  # stored as values
@@ -34,7 +33,7 @@ _PLAIN = {GGMLQuantizationType.F32: np.dtype(np.float32), GGMLQuantizationType.F
 class GGUFTensor:
     name: str  # the HF name it becomes
     gguf_name: str
-    qtype: object  # gguf.GGMLQuantizationType
+    qtype: GGMLQuantizationType
     offset: int  # absolute byte offset in the file
     nbytes: int
     raw_shape: tuple[int, ...]  # numpy shape of the stored data (rows x bytes for block types)
@@ -191,8 +190,6 @@ def plan(path: Path, config) -> tuple[list[GGUFTensor], object, str]:
 
 def check_dequantizable(path: Path, tensors: list[GGUFTensor]) -> None:
     """Fail before writing anything when a tensor's quant type has no dequantizer."""
-    from gguf import dequantize
-
     seen = set()
     with open(path, "rb") as f:
         for t in tensors:
@@ -208,16 +205,12 @@ def check_dequantizable(path: Path, tensors: list[GGUFTensor]) -> None:
 
 
 def dequantized_blocks(f, t: GGUFTensor, processor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """The tensor in `dtype`, whole or (large 2-D tensors without a processor step) in row blocks."""
-    from gguf import dequantize
-
+    """The tensor in `dtype`: 2-D tensors whose processing is row-local in blocks of ROW_BLOCK_BYTES of
+    float32 (the 150k-row embedding never exists whole in float32), anything else whole."""
     rows = t.raw_shape[0] if len(t.raw_shape) == 2 else 1
-    step = max(1, ROW_BLOCK_BYTES // max(1, 4 * int(np.prod(t.shape[1:])))) if len(t.shape) == 2 else rows
-    if len(t.raw_shape) != 2 or rows <= step or not _row_safe(t.gguf_name):
-        step = rows
+    step = max(1, ROW_BLOCK_BYTES // (4 * t.shape[-1])) if len(t.raw_shape) == 2 and _row_safe(t.gguf_name) else rows
     for start in range(0, rows, step):
-        raw = _read_rows(f, t, start, min(rows, start + step)) if len(t.raw_shape) == 2 else _read_all(f, t)
-        weights = dequantize(raw, t.qtype)
+        weights = dequantize(_read_rows(f, t, start, min(rows, start + step)), t.qtype)
         weights = processor.process(weights=weights, name=t.gguf_name).weights
         yield torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
 
