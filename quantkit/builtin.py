@@ -80,10 +80,6 @@ def part_files(b: Builtin) -> list[Path | None]:
     return files
 
 
-def installed(b: Builtin) -> bool:
-    return all(f is not None for f in part_files(b))
-
-
 def gguf_path(alias: str, cache: Path, say=lambda msg: None) -> Path:
     """The built-in model's GGUF: the file inside its package, or its parts joined into `cache` (once)."""
     b = BUILTINS[alias]

@@ -56,7 +56,7 @@ def read_tensor_table(path: Path) -> tuple[str, list[tuple[str, tuple[int, ...],
             for _ in range(n_kv):
                 key = r.string()
                 (vtype,) = r.unpack("<I")
-                value = r.value(vtype, keep=key in ("general.architecture", "general.alignment"))
+                value = r.value(vtype)
                 arch = value if key == "general.architecture" else arch
                 alignment = int(value) if key == "general.alignment" else alignment
             entries = []
@@ -104,7 +104,8 @@ class _Header:
         (n,) = self.unpack("<Q")
         return self.take(n).decode()
 
-    def value(self, vtype: int, keep: bool):
+    def value(self, vtype: int):
+        """A scalar or string value; arrays are skipped over (None)."""
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])[0]
         if vtype == 8:
@@ -117,7 +118,7 @@ class _Header:
             self.pos += struct.calcsize(_SCALARS[etype]) * count
             return None
         for _ in range(count):
-            self.value(etype, keep=False)
+            self.value(etype)
         return None
 
 
