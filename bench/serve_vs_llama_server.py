@@ -3,7 +3,7 @@
     python bench/serve_vs_llama_server.py CKPT GGUF --llama-server PATH/llama-server [--levels 1,8,32]
         [--serve-args "" --serve-args "--lm-head int8"]
 
-Both get the same random prompts (sized in SmolLM2's tokenizer), `--output-len` tokens each with EOS
+Both get the same random prompts (sized in the checkpoint's own tokenizer), `--output-len` tokens each with EOS
 ignored, streamed completions, at each concurrency level (4 requests per slot, at least 4). llama-server
 runs continuous batching with `-np` = the largest level and 2 threads. Prints one table with the
 output-token throughput ratios (quantkit / llama-server), one per quantkit variant (`--serve-args`).
@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = args.serve_args or [""]
     levels = [int(x) for x in args.levels.split(",")]
-    tok = load_tokenizer(resolve("smollm2-135m").path)
+    tok = load_tokenizer(resolve(args.ckpt).path)
     prompts = [(t, n, args.output_len) for t, n in random_prompts(tok, 4 * max(levels), args.input_len, seed=0)]
     cfg = LoadConfig(url="", input_len=args.input_len, output_len=args.output_len)
     slots = max(levels)

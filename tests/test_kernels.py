@@ -35,6 +35,24 @@ def test_int8_packed_matmul_matches_reference():
     assert torch.allclose(cpu.int8_linear(x, q, scale[:, 0]), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_agrees_across_the_prefill_threshold(dtype):
+    """Above INT8_PACKED_MAX_ROWS the layer dequantises per call: the same rows give the same outputs either way."""
+    from quantkit.runtime.layers.linear import INT8_PACKED_MAX_ROWS, Linear, QuantWeight
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (64, 96), generator=gen, dtype=torch.int8)
+    scale = torch.rand(64, 1, generator=gen) * 0.01
+    layer = Linear(QuantWeight(q, scale, None, 8, None), None, dtype)
+    assert layer.mode == "int8"
+    x = torch.randn(INT8_PACKED_MAX_ROWS + 8, 96, generator=gen).to(dtype)
+    want = reference.dequant_linear(x.float(), q, scale, None)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    big, small = layer(x).float(), torch.cat([layer(x[:8]), layer(x[8:INT8_PACKED_MAX_ROWS]), layer(x[INT8_PACKED_MAX_ROWS:])]).float()
+    assert torch.allclose(big, want, rtol=tol, atol=tol * want.abs().max().item())
+    assert torch.allclose(big, small, rtol=tol, atol=tol * want.abs().max().item())
+
+
 def test_attention_kernels_match_reference():
     gen = torch.Generator().manual_seed(2)
     heads, kv_heads, d = 6, 2, 16

@@ -68,6 +68,13 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scale)
 
 
+def dequant_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """q int8 [out, in], scale [out] in the activations' dtype -> the dense weight [out, in] in that dtype, for
+    prefill-sized matmuls: `_weight_int8pack_mm`'s cost grows linearly with rows (1.46 s for a 2048-row 1.5B
+    gate/up here, against 0.38 s dequantised). q is exact in bf16, so each weight is rounded once."""
+    return q.to(scale.dtype) * scale.unsqueeze(1)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     """Causal attention of one sequence's new queries over all its keys, with PyTorch's fused SDPA.
 
