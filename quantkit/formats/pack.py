@@ -56,13 +56,15 @@ def unpack_int4_rows(packed: Tensor, length: int) -> Tensor:
 
 
 def pack_int4_panels(q: Tensor, panel: int = 16) -> Tensor:
-    """The CPU int4 GEMM's layout (kernels/csrc/panel_gemm.h): int8 [out, in] in [-8, 7] -> uint8
-    [out / panel, in / 2, panel], byte c of pair p holding input 2p (low nibble) and 2p + 1 (high nibble) of
-    the panel's channel c, offset +8. A panel's pair of inputs is one 16-byte load for all its channels."""
+    """The CPU int4 GEMM's layout (kernels/csrc/panel_gemm.h): int8 [out, in] in [-8, 7], in % 8 == 0 -> uint8
+    [out / panel, in / 8, 4 * panel]: line L of a panel is one little-endian dword per channel holding its inputs
+    8L..8L+7 as u = q + 8, input 8L + 2i in bits 4i..4i+3 and 8L + 2i + 1 in bits 16 + 4i..19 + 4i. One 64-byte
+    load then carries four pairs of inputs for all 16 channels, and a shift and a mask extract each pair."""
     out_features, in_features = q.shape
-    u = (q.to(torch.int16) + 8).to(torch.uint8)  # [out, in] in [0, 15]
-    pairs = u[:, 0::2] | (u[:, 1::2] << 4)  # [out, in / 2]
-    return pairs.view(out_features // panel, panel, in_features // 2).transpose(1, 2).contiguous()
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(out_features, in_features // 8, 8)  # input 8L + t at [:, L, t]
+    dword = torch.stack([u[..., 0] | u[..., 2] << 4, u[..., 4] | u[..., 6] << 4,  # bytes 0, 1: the even inputs
+                         u[..., 1] | u[..., 3] << 4, u[..., 5] | u[..., 7] << 4], dim=-1)  # bytes 2, 3: the odd ones
+    return dword.view(out_features // panel, panel, in_features // 8, 4).transpose(1, 2).reshape(out_features // panel, in_features // 8, 4 * panel)
 
 
 def packed_width(length: int, bits: int) -> int:

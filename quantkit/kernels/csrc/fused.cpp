@@ -401,7 +401,7 @@ bool panel_gemm_available() {
 #endif
 }
 
-// x [M, K] bf16 -> [M, N] bf16, with w either int4 panels uint8 [N/16, K/2, 16] and params f32 [2, N/16, K/group, 16]
+// x [M, K] bf16 -> [M, N] bf16, with w either int4 panels uint8 [N/16, K/8, 64] and params f32 [2, N/16, K/group, 16]
 // (scales, 136 + zero points), or bf16 panels [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
 at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
 #if defined(__AVX512BF16__)
@@ -409,7 +409,8 @@ at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tenso
   const bool dense = w.scalar_type() == at::kBFloat16;
   const at::Tensor x = x_.contiguous();
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
-  TORCH_CHECK(w.is_contiguous() && w.size(1) * 2 == k && w.size(2) == panel::kPanel && group % 2 == 0 && k % group == 0 &&
+  TORCH_CHECK(w.is_contiguous() && w.size(1) * (dense ? 2 : 8) == k && w.size(2) == (dense ? 1 : 4) * panel::kPanel &&
+                  group % 8 == 0 && k % group == 0 &&
                   params.size(2) == groups && params.size(3) == panel::kPanel && (!dense || groups == 1),
               "panel_gemm: weight layout does not match x");
   at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());

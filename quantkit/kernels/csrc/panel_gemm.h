@@ -4,11 +4,15 @@
 // int4 op at 32 rows, level at one (bench/panel_gemm.py).
 //
 // Weight layout (repacked at load, formats/pack.py `pack_int4_panels`): panels of 16 output channels,
-//   packed uint8 [N/16, K/2, 16]: byte c of pair p = u[c, 2p] | u[c, 2p+1] << 4, with u = q + 8 in [0, 15]
+//   packed uint8 [N/16, K/8, 64]: 16 little-endian dwords a line, dword c holding channel c's inputs 8L..8L+7 as
+//                u = q + 8 in [0, 15]: input 8L + 2i in bits 4i..4i+3, input 8L + 2i + 1 in bits 16+4i..19+4i
 //   params  f32  [2, N/16, G, 16]: the group scales, then 136 + zero_point
-// OR-ing a nibble into the bits of bfloat16 128.0 (0x4300) gives exactly 128 + u, so unpacking is integer
-// shifts and masks, no conversions. vdpbf16ps sums x * (128 + u) over a group in float32 (products of two
-// 8-bit mantissas are exact), and the group adds scale * (acc - (136 + zp) * sum(x)) = scale * sum(x * (q - zp)).
+// So one 64-byte load holds four pairs of inputs for the panel, and pair i is (line >> 4i) & 0x000F000F: OR-ing
+// that into the bits of bfloat16 128.0 (0x4300) gives exactly 128 + u, one shift and one ternary-logic op a pair
+// (the former one-pair-a-load layout needed a cross-lane widening, a shift, an AND and an OR: single-row GEMMs
+// from DRAM ran at ~20 GB/s, where the bf16 head runs at ~28). vdpbf16ps sums x * (128 + u) over a group in float32
+// (products of two 8-bit mantissas are exact), and the group adds scale * (acc - (136 + zp) * sum(x)) =
+// scale * sum(x * (q - zp)).
 // Each output is computed the same way whatever the batch, so a row's result does not depend on its batch.
 //
 // The same tiles serve a bfloat16 weight held as panels of pairs, bf16 [N/16, K/2, 16, 2] (one group, scale 1,
@@ -31,17 +35,17 @@ namespace panel {
 constexpr int64_t kPanel = 16;  // output channels per panel: one zmm of float32 accumulators
 constexpr int kMaxRows = 12;    // rows per tile: 12 accumulators + 12 totals + operands fit in 32 registers
 
-// 16 packed bytes -> 32 bfloat16 (128 + u), each channel's two inputs adjacent, as vdpbf16ps pairs them.
-inline __m512i unpack(const uint8_t* p) {
-  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // byte c -> lane c
-  const __m512i t = _mm512_slli_epi32(d, 12);                                                       // high nibble -> bits 16-19
-  const __m512i v = _mm512_ternarylogic_epi32(d, t, _mm512_set1_epi32(0x000F000F), 0xA8);           // (d | t) & mask
-  return _mm512_or_si512(v, _mm512_set1_epi32(0x43004300));
+// Pair I of a packed line (four pairs of one panel) -> 32 bfloat16 (128 + u), each channel's two inputs adjacent,
+// as vdpbf16ps pairs them.
+template <int I>
+inline __m512i nibbles(__m512i line) {
+  const __m512i v = I == 0 ? line : _mm512_srli_epi32(line, 4 * I);
+  return _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300), 0xEA);  // (v & m) | bias
 }
 
 struct Problem {
   const uint16_t* x;   // [M, K] bfloat16
-  const uint8_t* packed;  // int4 panels [N/16, K/2, 16]; null when the weight is
+  const uint8_t* packed;  // int4 panels [N/16, K/8, 64]; null when the weight is
   const uint16_t* dense;  // bf16 panels [N/16, K/2, 16, 2] (else null)
   const float* xsum;   // [M, G] float32 sum of x over each group
   const float* scale;  // [N/16, G, 16]
@@ -50,12 +54,23 @@ struct Problem {
   int64_t m, k, n, groups, group;
 };
 
+// Pair p + I of R rows against P panels: b from the unpacked copy w, or from the packed lines.
+template <int R, int P, int I>
+inline void pair_step(const Problem& pb, const __m512i* w, const __m512i* line, int64_t p, const uint16_t* x, __m512 (&acc)[R][P]) {
+  __m512bh b[P];
+  for (int j = 0; j < P; ++j) b[j] = (__m512bh)(w ? _mm512_load_si512(w + j * (pb.k / 2) + p + I) : nibbles<I>(line[j]));
+  for (int r = 0; r < R; ++r) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * pb.k + 2 * (p + I)));
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+  }
+}
+
 // R rows x P panels of y, from P panels unpacked beforehand into w ([P][K/2] vectors), or with w null straight
 // from the packed weights (one row tile: unpacking next to the arithmetic overlaps it with the memory reads).
-// One accumulator per (row, panel) per group, in the same order whatever R and P.
+// One accumulator per (row, panel) per group, summed pair by pair in the same order whatever R and P.
 template <int R, int P>
 void tile(const Problem& pb, const __m512i* w, int64_t row, int64_t panel) {
-  const int64_t half = pb.k / 2, pairs = pb.group / 2;
+  const int64_t pairs = pb.group / 2, lines = pb.k / 8;
   __m512 out[R][P];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < P; ++j) out[r][j] = _mm512_setzero_ps();
@@ -64,14 +79,13 @@ void tile(const Problem& pb, const __m512i* w, int64_t row, int64_t panel) {
     __m512 acc[R][P];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t p = g * pairs; p < (g + 1) * pairs; ++p) {
-      __m512bh b[P];
-      for (int j = 0; j < P; ++j)
-        b[j] = (__m512bh)(w ? _mm512_load_si512(w + j * half + p) : unpack(pb.packed + ((panel + j) * half + p) * kPanel));
-      for (int r = 0; r < R; ++r) {
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * pb.k + 2 * p));
-        for (int j = 0; j < P; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
-      }
+    for (int64_t p = g * pairs; p < (g + 1) * pairs; p += 4) {
+      __m512i line[P];
+      for (int j = 0; j < P && !w; ++j) line[j] = _mm512_loadu_si512(pb.packed + ((panel + j) * lines + p / 4) * 64);
+      pair_step<R, P, 0>(pb, w, line, p, x, acc);
+      pair_step<R, P, 1>(pb, w, line, p, x, acc);
+      pair_step<R, P, 2>(pb, w, line, p, x, acc);
+      pair_step<R, P, 3>(pb, w, line, p, x, acc);
     }
     for (int j = 0; j < P; ++j) {
       const int64_t at = ((panel + j) * pb.groups + g) * kPanel;
@@ -121,8 +135,14 @@ inline void run(const Problem& pb) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t first = task * per_task, count = std::min(per_task, panels - first);
         for (int64_t j = 0; j < count && !direct && !pb.dense; ++j) {
-          const uint8_t* src = pb.packed + (first + j) * half * kPanel;
-          for (int64_t p = 0; p < half; ++p) w[j * half + p] = unpack(src + p * kPanel);
+          const uint8_t* src = pb.packed + (first + j) * half * kPanel;  // K/8 lines of 64 bytes
+          for (int64_t p = 0; p < half; p += 4) {
+            const __m512i line = _mm512_loadu_si512(src + p * kPanel);
+            w[j * half + p] = nibbles<0>(line);
+            w[j * half + p + 1] = nibbles<1>(line);
+            w[j * half + p + 2] = nibbles<2>(line);
+            w[j * half + p + 3] = nibbles<3>(line);
+          }
         }
         for (int64_t row = row0; row < row_end; row += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, row_end - row));

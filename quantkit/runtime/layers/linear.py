@@ -85,7 +85,7 @@ class Linear(nn.Module):
             self.scale_t = weight.scale.to(dtype).contiguous()
         elif kernel == "packed" and fused and weight.bits == 4 and _panels_fit(weight.shape, weight.group_size or in_features, dtype):
             self.mode, self.group = "int4_panels", weight.group_size or in_features
-            self.packed = pack_int4_panels(weight.q)  # [out / 16, in / 2, 16]
+            self.packed = pack_int4_panels(weight.q)  # [out / 16, in / 8, 64]
             scale = weight.scale.float()  # [out, groups]
             offset = 136.0 + (torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float())  # see panel_gemm.h
             params = torch.stack([scale, offset])  # [2, out, groups]
@@ -137,10 +137,11 @@ class Linear(nn.Module):
 
 
 def _panels_fit(shape: tuple[int, int], group: int, dtype: torch.dtype) -> bool:
-    """bf16 activations, 16-channel panels, groups of an even size dividing the row, and a CPU with AVX-512 BF16."""
+    """bf16 activations, 16-channel panels, groups of a multiple of 8 dividing the row (the kernel reads four pairs
+    of inputs a load), and a CPU with AVX-512 BF16."""
     out_features, in_features = shape
     ops = fused_kernels.ops()
-    return (dtype == torch.bfloat16 and out_features % 16 == 0 and group % 2 == 0 and in_features % group == 0
+    return (dtype == torch.bfloat16 and out_features % 16 == 0 and group % 8 == 0 and in_features % group == 0
             and ops is not None and ops.panel_gemm_available())
 
 
