@@ -110,11 +110,12 @@ def fused_ops():
     return m
 
 
-@pytest.mark.parametrize("group, sym", [(32, True), (128, False), (None, True), (None, False)])
-def test_int4_gemm_matches_reference_and_is_batch_invariant(group, sym):
-    """quantkit's int4 GEMM through the runtime's Linear: 3 panels (an odd one left after pairs), row counts that
-    take every tile shape and cross a row block (84 rows at 1536 inputs). The weights are never rounded to bf16
-    (scales apply in float32), so the result is the exact product up to float32 sums and the output's bf16
+@pytest.mark.parametrize("bits, group, sym", [(4, 32, True), (4, 128, False), (4, None, True), (4, None, False),
+                                             (8, None, True), (8, 64, False)])
+def test_panel_gemm_matches_reference_and_is_batch_invariant(bits, group, sym):
+    """quantkit's int4/int8 GEMM through the runtime's Linear: 3 panels (an odd one left after pairs), row counts
+    that take every tile shape and cross a row block (84 rows at 1536 inputs). The weights are never rounded to
+    bf16 (scales apply in float32), so the result is the exact product up to float32 sums and the output's bf16
     rounding; and each row's result is the same whatever the batch."""
     from quantkit.quant.qparams import dequantize
     from quantkit.runtime.layers.linear import Linear, QuantWeight
@@ -122,13 +123,20 @@ def test_int4_gemm_matches_reference_and_is_batch_invariant(group, sym):
     if not fused_ops().panel_gemm_available():
         pytest.skip("this CPU has no AVX-512 BF16")
     gen, q, scale, zp = random_int4(48, 1536, group, sym, seed=6)
-    lin = Linear(QuantWeight(q, scale, zp, 4, group), None, torch.bfloat16, "packed", fused=True)
-    assert lin.mode == "int4_panels"
+    if bits == 8:  # the full signed 8-bit range, zero points too
+        q = torch.randint(-128, 128, q.shape, generator=gen, dtype=torch.int8)
+        zp = None if zp is None else torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
+        scale = scale / 16
+    lin = Linear(QuantWeight(q, scale, zp, bits, group), None, torch.bfloat16, "packed", fused=True)
+    assert lin.mode == f"int{bits}_panels"
     x = torch.randn(100, 1536, generator=gen).bfloat16()
     w = dequantize(q, scale, zp).double()  # exact: (q - zp) * scale in float32
     full = lin(x)
     want = x.double() @ w.T
-    assert ((full.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * want.abs().max()).all()
+    # float32 sums of x * (bias + u) less bias * sum(x): the cancellation costs ~bias * 2**-24 of the outputs' scale
+    # (bias 136 for int4, 2304 for int8), far below the bf16 rounding of all but the outputs nearest zero
+    floor = {4: 1e-5, 8: 6e-5}[bits] * want.abs().max()
+    assert ((full.double() - want).abs() <= 2**-8 * want.abs() + floor).all()
     for rows in (1, 2, 3, 5, 7, 13, 30, 97):
         assert torch.equal(lin(x[:rows]), full[:rows])
 
@@ -185,8 +193,8 @@ def test_fused_norm_rope_silu_equal_the_pytorch_chains(dtype):
                                            (torch.float32, True, 64), (torch.bfloat16, False, 128), (torch.float32, True, 32)])
 def test_fused_paged_decode_attention_matches_reference(dtype, fp8, d):
     """Several sequences of different lengths over scattered blocks: the store equals the reference's (FP8 bytes
-    included) and the attention output the reference's over the gathered, dequantised context. Head size 64 has
-    its own vector code; 128 and 32 take the general loops."""
+    included) and the attention output the reference's over the gathered, dequantised context. Head sizes 64 and
+    128 have their own vector code; 32 takes the general loops."""
     m = fused_ops()
     gen = torch.Generator().manual_seed(5)
     blocks, bs, kv_heads, heads = 40, 16, 3, 9
@@ -217,6 +225,9 @@ def test_fused_paged_decode_attention_matches_reference(dtype, fp8, d):
     assert torch.allclose(out.float(), want, atol=tol), (out.float() - want).abs().max()
     empty = q.new_empty(0)  # keys already stored: attend only
     assert torch.equal(m.decode_attention(q, empty, empty, kc2, vc2, slots, tables, lengths, ks, vs), out)
+    for i in range(len(lengths)):  # one sequence alone: its KV heads split over the threads, the same arithmetic
+        one = (q[i : i + 1], empty, empty, kc2, vc2, slots[i : i + 1], tables[i : i + 1], lengths[i : i + 1], ks, vs)
+        assert torch.equal(m.decode_attention(*one), out[i : i + 1])
 
 
 def test_fused_attention_reads_every_fp8_code_exactly():

@@ -67,6 +67,15 @@ def pack_int4_panels(q: Tensor, panel: int = 16) -> Tensor:
     return dword.view(out_features // panel, panel, in_features // 8, 4).transpose(1, 2).reshape(out_features // panel, in_features // 8, 4 * panel)
 
 
+def pack_int8_panels(q: Tensor, panel: int = 16) -> Tensor:
+    """The same GEMM's 8-bit layout: int8 [out, in] -> uint8 [out / panel, in / 8, 8 * panel], each line of
+    `pack_int4_panels` for the low nibbles of u = q + 128 followed by the line for its high nibbles."""
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    lo = pack_int4_panels(((u & 15).to(torch.int16) - 8).to(torch.int8), panel)
+    hi = pack_int4_panels(((u >> 4).to(torch.int16) - 8).to(torch.int8), panel)
+    return torch.cat([lo, hi], dim=-1)
+
+
 def packed_width(length: int, bits: int) -> int:
     return -(-length // _per_word(bits))
 

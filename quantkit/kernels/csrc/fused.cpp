@@ -84,18 +84,21 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-#define QUANTKIT_AVX512_HEAD64 1
-// Head size 64 (SmolLM, Llama 3.2 1B, Qwen2 0.5B): scores of one query head against m keys (rows at `stride`),
-// four keys at a time so that one transpose-add reduces four dot products.
-inline void scores64(const float* q, const float* keys, int64_t stride, int64_t m, float* out, float mult) {
-  const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+#define QUANTKIT_AVX512_HEADS 1
+// Head sizes 64 (SmolLM, Llama 3.2 1B, Qwen2 0.5B) and 128 (Qwen2.5 1.5B, Llama 3 8B): scores of one query head
+// against m keys (rows at `stride`), four keys at a time so that one transpose-add reduces four dot products.
+template <int D>
+inline void scores_d(const float* q, const float* keys, int64_t stride, int64_t m, float* out, float mult) {
+  constexpr int V = D / 16;
+  __m512 qv[V];
+  for (int v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
   int64_t t = 0;
   for (; t + 4 <= m; t += 4) {
     __m512 a[4];
     for (int i = 0; i < 4; ++i) {
       const float* k = keys + (t + i) * stride;
-      a[i] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32),
-             _mm512_fmadd_ps(q1, _mm512_loadu_ps(k + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)))));
+      a[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+      for (int v = 1; v < V; ++v) a[i] = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), a[i]);
     }
     const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
     const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
@@ -103,24 +106,37 @@ inline void scores64(const float* q, const float* keys, int64_t stride, int64_t 
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(r), _mm512_extractf32x8_ps(r, 1));  // [key 0..3] per 128-bit lane
     _mm_storeu_ps(out + t, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(mult)));
   }
-  for (; t < m; ++t) out[t] = dot(q, keys + t * stride, 64) * mult;
+  for (; t < m; ++t) out[t] = dot(q, keys + t * stride, D) * mult;
 }
 
-// acc (64 floats) += sum_t p[t] * values[t], the accumulator held in registers across the keys.
-inline void accumulate64(const float* p, const float* values, int64_t stride, int64_t m, float* acc) {
-  __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16), a2 = _mm512_loadu_ps(acc + 32), a3 = _mm512_loadu_ps(acc + 48);
+// acc (D floats) += sum_t p[t] * values[t], the accumulator held in registers across the keys.
+template <int D>
+inline void accumulate_d(const float* p, const float* values, int64_t stride, int64_t m, float* acc) {
+  constexpr int V = D / 16;
+  __m512 a[V];
+  for (int v = 0; v < V; ++v) a[v] = _mm512_loadu_ps(acc + 16 * v);
   for (int64_t t = 0; t < m; ++t) {
-    const float* v = values + t * stride;
+    const float* x = values + t * stride;
     const __m512 pv = _mm512_set1_ps(p[t]);
-    a0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v), a0);
-    a1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16), a1);
-    a2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 32), a2);
-    a3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 48), a3);
+    for (int v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + 16 * v), a[v]);
   }
-  _mm512_storeu_ps(acc, a0);
-  _mm512_storeu_ps(acc + 16, a1);
-  _mm512_storeu_ps(acc + 32, a2);
-  _mm512_storeu_ps(acc + 48, a3);
+  for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, a[v]);
+}
+
+// The specialised head sizes: scores / accumulation of query heads q0..q1 over a tile; false for other sizes.
+inline bool tile_scores(int64_t d, const float* qf, const float* tile, int64_t row, int64_t m, int64_t q0, int64_t q1, int64_t group,
+                        float* scores, int64_t n, int64_t t0, float sm_scale, const float* kscale) {
+  if (d != 64 && d != 128) return false;
+  for (int64_t h = q0; h < q1; ++h)
+    (d == 64 ? scores_d<64> : scores_d<128>)(qf + h * d, tile + (h / group) * d, row, m, scores + h * n + t0, sm_scale * kscale[h / group]);
+  return true;
+}
+inline bool tile_accumulate(int64_t d, const float* scores, const float* tile, int64_t row, int64_t m, int64_t q0, int64_t q1,
+                            int64_t group, int64_t n, int64_t t0, float* acc) {
+  if (d != 64 && d != 128) return false;
+  for (int64_t h = q0; h < q1; ++h)
+    (d == 64 ? accumulate_d<64> : accumulate_d<128>)(scores + h * n + t0, tile + (h / group) * d, row, m, acc + h * d);
+  return true;
 }
 #endif
 
@@ -279,6 +295,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 
 // Store each sequence's new key/value (FP8: x / scale saturated at 448, as reference.quantize_fp8), then attend its
 // single query over its `lengths[s]` keys, reading the paged blocks in place.
+constexpr int64_t kThreadTokens = 256;  // KV-head tokens of attention below which one thread does a task's chunk
+
 template <typename T, typename C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc,
                            const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lengths, const at::Tensor& ks,
@@ -316,33 +334,36 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   int64_t longest = 1;
   for (int64_t s = 0; s < s_n; ++s) longest = std::max(longest, len[s]);
   const int64_t row = hk * d;  // one token's keys (or values): contiguous in its block
-  // A task is one sequence, all heads: its tokens' rows are read front to back, which the prefetcher follows from
-  // DRAM (the weights streamed since the last step have evicted them). Threads only for long work: waking one
-  // costs more than a short sequence's whole attention.
-  at::parallel_for(0, s_n, std::max<int64_t>(1, 2048 / longest), [&](int64_t b, int64_t e) {
-    // a block's rows of all KV heads are contiguous: converted to float32 in one pass into `tile`; FP8 scales
+  // A task is one sequence and a share of its KV heads (all of them once there are sequences for every thread; one
+  // each for fewer, so that a single stream's attention uses every core): its tokens' rows are read front to
+  // back, which the prefetcher follows from DRAM (the weights streamed since the last step have evicted them).
+  // Threads only for long work: waking one costs more than a short sequence's whole attention.
+  const int64_t parts = s_n < at::get_num_threads() ? hk : 1, per_part = hk / parts;
+  at::parallel_for(0, s_n * parts, std::max<int64_t>(1, kThreadTokens / (longest * per_part)), [&](int64_t b, int64_t e) {
+    // a block's rows of the task's KV heads are contiguous per token: converted to float32 into `tile`; FP8 scales
     // (per KV head) multiply the scores and the output instead of every element
     std::vector<float> qf(hq * d), tile(block * row), acc(hq * d), scores;
-    for (int64_t s = b; s < e; ++s) {
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t s = task / parts, kv0 = task % parts * per_part, q0 = kv0 * group, q1 = q0 + per_part * group;
       const int64_t n = len[s];
-      for (int64_t h = 0; h < hq; ++h)
+      auto read_tile = [&](const C* base, int64_t m) {
+        if (parts == 1) return read_row(base, tile.data(), m * row, 1.f);
+        for (int64_t t = 0; t < m; ++t) read_row(base + t * row + kv0 * d, tile.data() + t * row + kv0 * d, per_part * d, 1.f);
+      };
+      for (int64_t h = q0; h < q1; ++h)
         for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f(qp[s * q.stride(0) + h * q.stride(1) + j]);
       scores.resize(hq * n);
       for (int64_t t0 = 0; t0 < n; t0 += block) {
         const int64_t m = std::min(n - t0, block);
-        read_row(kcache + table[s * max_blocks + t0 / block] * block * row, tile.data(), m * row, 1.f);
-#ifdef QUANTKIT_AVX512_HEAD64
-        if (d == 64) {
-          for (int64_t h = 0; h < hq; ++h)
-            scores64(qf.data() + h * d, tile.data() + (h / group) * d, row, m, scores.data() + h * n + t0, sm_scale * kscale[h / group]);
-          continue;
-        }
+        read_tile(kcache + table[s * max_blocks + t0 / block] * block * row, m);
+#ifdef QUANTKIT_AVX512_HEADS
+        if (tile_scores(d, qf.data(), tile.data(), row, m, q0, q1, group, scores.data(), n, t0, sm_scale, kscale)) continue;
 #endif
         for (int64_t t = 0; t < m; ++t)
-          for (int64_t h = 0; h < hq; ++h)
+          for (int64_t h = q0; h < q1; ++h)
             scores[h * n + t0 + t] = dot(qf.data() + h * d, tile.data() + t * row + (h / group) * d, d) * (sm_scale * kscale[h / group]);
       }
-      for (int64_t h = 0; h < hq; ++h) {  // softmax
+      for (int64_t h = q0; h < q1; ++h) {  // softmax
         float* sh = scores.data() + h * n;
         float mx = -INFINITY;
         for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
@@ -353,17 +374,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += block) {
         const int64_t m = std::min(n - t0, block);
-        read_row(vcache + table[s * max_blocks + t0 / block] * block * row, tile.data(), m * row, 1.f);
-#ifdef QUANTKIT_AVX512_HEAD64
-        if (d == 64) {
-          for (int64_t h = 0; h < hq; ++h) accumulate64(scores.data() + h * n + t0, tile.data() + (h / group) * d, row, m, acc.data() + h * d);
-          continue;
-        }
+        read_tile(vcache + table[s * max_blocks + t0 / block] * block * row, m);
+#ifdef QUANTKIT_AVX512_HEADS
+        if (tile_accumulate(d, scores.data(), tile.data(), row, m, q0, q1, group, n, t0, acc.data())) continue;
 #endif
         for (int64_t t = 0; t < m; ++t)
-          for (int64_t h = 0; h < hq; ++h) axpy(scores[h * n + t0 + t], tile.data() + t * row + (h / group) * d, acc.data() + h * d, d);
+          for (int64_t h = q0; h < q1; ++h) axpy(scores[h * n + t0 + t], tile.data() + t * row + (h / group) * d, acc.data() + h * d, d);
       }
-      for (int64_t h = 0; h < hq; ++h)
+      for (int64_t h = q0; h < q1; ++h)
         for (int64_t j = 0; j < d; ++j) op[(s * hq + h) * d + j] = T(acc[h * d + j] * vscale[h / group]);
     }
   });
@@ -401,7 +419,8 @@ bool panel_gemm_available() {
 #endif
 }
 
-// x [M, K] bf16 -> [M, N] bf16, with w either int4 panels uint8 [N/16, K/8, 64] and params f32 [2, N/16, K/group, 16]
+// x [M, K] bf16 -> [M, N] bf16, with w either int4 panels uint8 [N/16, K/8, 64] (int8: [N/16, K/8, 128]) and params
+// f32 [2, N/16, K/group, 16]
 // (scales, 136 + zero points), or bf16 panels [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
 at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
 #if defined(__AVX512BF16__)
@@ -409,7 +428,8 @@ at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tenso
   const bool dense = w.scalar_type() == at::kBFloat16;
   const at::Tensor x = x_.contiguous();
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
-  TORCH_CHECK(w.is_contiguous() && w.size(1) * (dense ? 2 : 8) == k && w.size(2) == (dense ? 1 : 4) * panel::kPanel &&
+  const int bits = dense ? 16 : w.size(2) == 8 * panel::kPanel ? 8 : 4;
+  TORCH_CHECK(w.is_contiguous() && w.size(1) * (dense ? 2 : 8) == k && w.size(2) == (dense ? 1 : bits) * panel::kPanel &&
                   group % 8 == 0 && k % group == 0 &&
                   params.size(2) == groups && params.size(3) == panel::kPanel && (!dense || groups == 1),
               "panel_gemm: weight layout does not match x");
@@ -431,7 +451,7 @@ at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tenso
   const float* pp = params.data_ptr<float>();
   const int64_t plane = params.numel() / 2;
   panel::run({xp, dense ? nullptr : w.data_ptr<uint8_t>(), dense ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr,
-             xsum.data(), pp, pp + plane, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k, y.size(1), groups, group});
+             xsum.data(), pp, pp + plane, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k, y.size(1), groups, group}, bits);
   return y;
 #else
   TORCH_CHECK(false, "panel_gemm needs AVX-512 BF16");

@@ -1,8 +1,8 @@
 """Linear layers over dense or compressed-tensors weights, repacked once at load for the chosen kernel.
 
 Kernels: "reference" dequantizes on every call (the oracle), "dense" dequantizes once at load (fast for
-large batches, no memory saving), "packed" keeps int4/int8 weights packed: for bf16 int4 with the fused
-CPU ops on AVX-512 BF16, quantkit's own panel GEMM (kernels/csrc/panel_gemm.h, ~2x PyTorch's int4 op at
+large batches, no memory saving), "packed" keeps int4/int8 weights packed: for bf16 int4 and int8 with the
+fused CPU ops on AVX-512 BF16, quantkit's own panel GEMM (kernels/csrc/panel_gemm.h, ~2x PyTorch's int4 op at
 8-64 rows), else PyTorch's CPU integer matmuls where the shape allows, the reference otherwise; "triton"
 (GPU) keeps the checkpoint's int32 packing and dequantizes inside a Triton GEMM, switching to a dense copy above `TRITON_DENSE_ROWS` rows
 where the INT kernel loses to cuBLAS.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from quantkit.formats.pack import pack_int4_panels, pack_int32
+from quantkit.formats.pack import pack_int4_panels, pack_int8_panels, pack_int32
 from quantkit.kernels import cpu, reference
 from quantkit.kernels import fused as fused_kernels
 from quantkit.quant.qparams import dequantize
@@ -83,11 +83,13 @@ class Linear(nn.Module):
             self.mode, self.qw = "triton", weight
             self.words = pack_int32(weight.q, weight.bits, dim=1)  # [out, in * bits / 32]
             self.scale_t = weight.scale.to(dtype).contiguous()
-        elif kernel == "packed" and fused and weight.bits == 4 and _panels_fit(weight.shape, weight.group_size or in_features, dtype):
-            self.mode, self.group = "int4_panels", weight.group_size or in_features
-            self.packed = pack_int4_panels(weight.q)  # [out / 16, in / 8, 64]
+        elif kernel == "packed" and fused and weight.bits in (4, 8) and _panels_fit(weight.shape, weight.group_size or in_features, dtype):
+            self.mode, self.group = f"int{weight.bits}_panels", weight.group_size or in_features
+            four = weight.bits == 4
+            self.packed = pack_int4_panels(weight.q) if four else pack_int8_panels(weight.q)  # [out / 16, in / 8, 64 or 128]
             scale = weight.scale.float()  # [out, groups]
-            offset = 136.0 + (torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float())  # see panel_gemm.h
+            zero = torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float()
+            offset = (136.0 if four else 2304.0) + zero  # see panel_gemm.h
             params = torch.stack([scale, offset])  # [2, out, groups]
             self.params = params.view(2, out_features // 16, 16, -1).transpose(2, 3).contiguous()  # [2, out / 16, groups, 16]
         elif (kernel == "packed" and weight.bits == 4 and dtype != torch.float32
@@ -105,7 +107,7 @@ class Linear(nn.Module):
             self.weight = weight.dequantize(dtype)
 
     def forward(self, x: Tensor) -> Tensor:  # x [t, in] -> [t, out]
-        if self.mode == "int4_panels":
+        if self.mode in ("int4_panels", "int8_panels"):
             y = fused_kernels.ops().panel_gemm(x, self.packed, self.params, self.group)
         elif self.mode == "bf16_panels":
             y = fused_kernels.ops().panel_gemm(x, self.panels, self.params, x.shape[1])
