@@ -93,7 +93,7 @@ def main() -> None:
                                             for (wd, s), w in zip(words, weights[one])],
             "onednn dense bf16": lambda: [xs[w.shape[1]] @ w.T for w in dense[one]]}, max(2, args.repeats // 4))
     head_w = torch.randn(VOCAB, HIDDEN, generator=gen).bfloat16()
-    head = linear(head_w, True, bf16_panels=True)
+    head = linear(head_w, True, head=True)
     assert head.mode == "bf16_panels"
     for m in (1, 32):
         x = torch.randn(m, HIDDEN, generator=gen).bfloat16()

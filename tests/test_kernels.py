@@ -127,7 +127,7 @@ def test_panel_gemm_matches_reference_and_is_batch_invariant(bits, group, sym):
         q = torch.randint(-128, 128, q.shape, generator=gen, dtype=torch.int8)
         zp = None if zp is None else torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
         scale = scale / 16
-    lin = Linear(QuantWeight(q, scale, zp, bits, group), None, torch.bfloat16, "packed", fused=True)
+    lin = Linear(QuantWeight(q, scale, zp, bits, group), None, torch.bfloat16, "packed", fused=True, head=bits == 8)  # int8 panels: the head only
     assert lin.mode == f"int{bits}_panels"
     x = torch.randn(100, 1536, generator=gen).bfloat16()
     w = dequantize(q, scale, zp).double()  # exact: (q - zp) * scale in float32
@@ -150,7 +150,7 @@ def test_bf16_panel_gemm_lm_head_matches_and_serves_embedding_rows():
         pytest.skip("this CPU has no AVX-512 BF16")
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(80, 576, generator=gen).bfloat16()
-    head = Linear(w, None, torch.bfloat16, "packed", fused=True, bf16_panels=True)
+    head = Linear(w, None, torch.bfloat16, "packed", fused=True, head=True)
     assert head.mode == "bf16_panels"
     x = torch.randn(40, 576, generator=gen).bfloat16()
     full = head(x)

@@ -16,7 +16,7 @@ from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch
 from quantkit.runtime.layers.linear import PACKED_MAX_ROWS, Linear
 
-MODES = {"int4": 0, "int8": 1, "dense": 2, "int4_panels": 3, "int8_panels": 3}
+MODES = {"int4": 0, "int8": 1, "dense": 2, "int4_panels": 3}
 
 
 class FusedDecoder:
@@ -48,7 +48,7 @@ class FusedDecoder:
 def _spec(ops, lin: Linear):
     if lin.mode == "int4":
         return ops.Linear(0, lin.packed, lin.scales_zeros, lin.group, lin.bias)
-    if lin.mode in ("int4_panels", "int8_panels"):
+    if lin.mode == "int4_panels":
         return ops.Linear(3, lin.packed, lin.params, lin.group, lin.bias)
     if lin.mode == "int8":
         return ops.Linear(1, lin.q8, lin.scale8, 0, lin.bias)

@@ -128,7 +128,7 @@ class LlamaModel(nn.Module):
         head = w.get("lm_head.weight")
         tied = head is None or cfg.tie_word_embeddings
         head = self.embed if tied else head
-        self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel, self.fused, bf16_panels=True)
+        self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel, self.fused, head=True)
         if tied and self.lm_head.mode == "bf16_panels":  # the embedding reads its rows from the head's panels: one copy
             self.embed = None
         self.rotary = Rotary(AutoConfig.from_pretrained(path), dtype, device)
