@@ -60,20 +60,23 @@ def pack_int4_panels(q: Tensor, panel: int = 16) -> Tensor:
     [out / panel, in / 8, 4 * panel]: line L of a panel is one little-endian dword per channel holding its inputs
     8L..8L+7 as u = q + 8, input 8L + 2i in bits 4i..4i+3 and 8L + 2i + 1 in bits 16 + 4i..19 + 4i. One 64-byte
     load then carries four pairs of inputs for all 16 channels, and a shift and a mask extract each pair."""
-    out_features, in_features = q.shape
-    u = (q.to(torch.int16) + 8).to(torch.uint8).view(out_features, in_features // 8, 8)  # input 8L + t at [:, L, t]
-    dword = torch.stack([u[..., 0] | u[..., 2] << 4, u[..., 4] | u[..., 6] << 4,  # bytes 0, 1: the even inputs
-                         u[..., 1] | u[..., 3] << 4, u[..., 5] | u[..., 7] << 4], dim=-1)  # bytes 2, 3: the odd ones
-    return dword.view(out_features // panel, panel, in_features // 8, 4).transpose(1, 2).reshape(out_features // panel, in_features // 8, 4 * panel)
+    return _nibble_panels((q.to(torch.int16) + 8).to(torch.uint8), panel)
 
 
 def pack_int8_panels(q: Tensor, panel: int = 16) -> Tensor:
     """The same GEMM's 8-bit layout: int8 [out, in] -> uint8 [out / panel, in / 8, 8 * panel], each line of
     `pack_int4_panels` for the low nibbles of u = q + 128 followed by the line for its high nibbles."""
     u = (q.to(torch.int16) + 128).to(torch.uint8)
-    lo = pack_int4_panels(((u & 15).to(torch.int16) - 8).to(torch.int8), panel)
-    hi = pack_int4_panels(((u >> 4).to(torch.int16) - 8).to(torch.int8), panel)
-    return torch.cat([lo, hi], dim=-1)
+    return torch.cat([_nibble_panels(u & 15, panel), _nibble_panels(u >> 4, panel)], dim=-1)
+
+
+def _nibble_panels(u: Tensor, panel: int) -> Tensor:
+    """uint8 [out, in] in [0, 15] -> the panel lines described in `pack_int4_panels`."""
+    out_features, in_features = u.shape
+    u = u.view(out_features, in_features // 8, 8)  # input 8L + t at [:, L, t]
+    dword = torch.stack([u[..., 0] | u[..., 2] << 4, u[..., 4] | u[..., 6] << 4,  # bytes 0, 1: the even inputs
+                         u[..., 1] | u[..., 3] << 4, u[..., 5] | u[..., 7] << 4], dim=-1)  # bytes 2, 3: the odd ones
+    return dword.view(out_features // panel, panel, in_features // 8, 4).transpose(1, 2).reshape(out_features // panel, in_features // 8, 4 * panel)
 
 
 def packed_width(length: int, bits: int) -> int:

@@ -27,14 +27,12 @@ class GPTQConfig:
     max_damp_tries: int = 6  # damping x10 each failed Cholesky, then RTN as the last resort
 
 
-def inverse_hessian_cholesky(h: Tensor, perm: Tensor, dead: Tensor, damp: float, tries: int) -> tuple[Tensor | None, float]:
-    """Upper Cholesky factor of (P H P^T)^-1, inputs permuted by `perm`, the `dead` ones' diagonal set to 1, with
-    damping raised until it is positive definite; None if never.
+def inverse_hessian_cholesky(h: Tensor, perm: Tensor, diag: Tensor, damp: float, tries: int) -> tuple[Tensor | None, float]:
+    """Upper Cholesky factor of (P H P^T)^-1, inputs permuted by `perm`, with `diag` as H's diagonal (dead inputs'
+    set to 1) and damping raised until it is positive definite; None if never.
 
     One [in, in] buffer beside h does all the work (the permuted copy, its factor, the inverse, the new factor in
     place): for a 1.5B model's down projection each copy is 321 MB, and a copy per step made GPTQ's peak."""
-    diag = h.diagonal().clone()
-    diag[dead] = 1.0
     mean_diag = diag.mean().item()
     info = torch.empty((), dtype=torch.int32, device=h.device)
     for _ in range(tries):
@@ -71,7 +69,7 @@ def gptq(w: Tensor, h: Tensor, scheme: Scheme, scale_dtype: torch.dtype, cfg: GP
     diag = torch.where(dead, torch.ones_like(h.diagonal()), h.diagonal())
     perm = torch.argsort(diag, descending=True) if cfg.actorder else torch.arange(in_f, device=w.device)
     w = w[:, perm]
-    u, _ = inverse_hessian_cholesky(h, perm, dead, cfg.damp, cfg.max_damp_tries)
+    u, _ = inverse_hessian_cholesky(h, perm, diag, cfg.damp, cfg.max_damp_tries)
     if u is None:
         warnings.warn("GPTQ: the Hessian stayed singular after raising damping; falling back to RTN for this layer")
         return rtn(w[:, torch.argsort(perm)], scheme, scale_dtype)

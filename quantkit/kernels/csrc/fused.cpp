@@ -420,8 +420,8 @@ bool panel_gemm_available() {
 }
 
 // x [M, K] bf16 -> [M, N] bf16, with w either int4 panels uint8 [N/16, K/8, 64] (int8: [N/16, K/8, 128]) and params
-// f32 [2, N/16, K/group, 16]
-// (scales, 136 + zero points), or bf16 panels [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
+// f32 [2, N/16, K/group, 16] (scales, then 136 + zero points for int4, 2304 + zero points for int8), or bf16 panels
+// [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
 at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kBFloat16, "panel_gemm: x must be 2-D bfloat16");
