@@ -99,74 +99,135 @@ def test_int4_dequant_from_packed_words_equals_reference(sym):
         assert torch.equal(cpu.dequant_int4(pack_int32(q, 4, dim=1), scale, zp, 128, dtype), want)
 
 
-# --- the fused CPU decode ops (kernels/fused.py): each against the PyTorch chain it replaces ----------------
+# --- the fused CPU decode ops (kernels/fused.py): each against the PyTorch chain it replaces, on every build ------
+# (native, avx2, scalar) this CPU can run: QUANTKIT_ISA forces the lower ones, so an AVX-512 machine checks the AVX2
+# and portable kernels too, and an AVX2-only one its own and the portable ones.
 
-def fused_ops():
-    from quantkit.kernels.fused import ops
+def _levels():
+    from quantkit.kernels import fused
 
-    m = ops()
+    return fused.runnable_levels()
+
+
+@pytest.fixture(params=["native", "avx2", "scalar"])
+def isa(request, monkeypatch) -> str:
+    """The ISA build under test, selected for the runtime's layers too."""
+    if request.param not in _levels():
+        pytest.skip(f"{request.param}: not a separate build on this CPU")
+    monkeypatch.setenv("QUANTKIT_ISA", request.param)
+    return request.param
+
+
+def fused_ops(level: str | None = None):
+    from quantkit.kernels import fused
+
+    m = fused.ops() if level is None else fused.build(level)
     if m is None:
         pytest.skip("the fused CPU kernels could not be built here (no C++ compiler)")
     return m
 
 
-@pytest.mark.parametrize("bits, group, sym", [(4, 32, True), (4, 128, False), (4, None, True), (4, None, False),
-                                             (8, None, True), (8, 64, False)])
-def test_panel_gemm_matches_reference_and_is_batch_invariant(bits, group, sym):
-    """quantkit's int4/int8 GEMM through the runtime's Linear: 3 panels (an odd one left after pairs), row counts
-    that take every tile shape and cross a row block (84 rows at 1536 inputs). The weights are never rounded to
-    bf16 (scales apply in float32), so the result is the exact product up to float32 sums and the output's bf16
-    rounding; and each row's result is the same whatever the batch."""
-    from quantkit.quant.qparams import dequantize
-    from quantkit.runtime.layers.linear import Linear, QuantWeight
+def test_every_runnable_build_reports_its_instruction_set():
+    """The builds this machine runs: the native one names what the CPU has, the forced ones what they were built
+    for, and each takes float32 activations (bf16 only with native bf16 dot products)."""
+    from quantkit.kernels import fused
 
-    if not fused_ops().panel_gemm_available():
-        pytest.skip("this CPU has no AVX-512 BF16")
+    levels = _levels()
+    assert levels[0] == "native" and levels[-1] in ("scalar", "native")
+    for level in levels:
+        m = fused_ops(level)
+        assert m.isa() == (fused.native_isa() if level == "native" else level)
+        assert "float32" in m.panel_dtypes()
+        assert ("bfloat16" in m.panel_dtypes()) == (m.isa() == "avx512-bf16")
+
+
+def _panel_cases():
+    return [(bits, group, sym, dtype) for dtype in (torch.float32, torch.bfloat16)
+            for bits, group, sym in [(4, 32, True), (4, 128, False), (4, None, True), (4, None, False), (8, None, True), (8, 64, False)]]
+
+
+@pytest.mark.parametrize("bits, group, sym, dtype", _panel_cases())
+def test_panel_gemm_matches_reference_and_is_batch_invariant(isa, bits, group, sym, dtype):
+    """quantkit's int4/int8 GEMM through the runtime's Linear: 3 panels (an odd one left after pairs), row counts
+    that take every tile shape and cross a row block (84 rows at 1536 inputs). The weights are never rounded
+    (scales apply in float32), so the result is the exact product up to float32 sums (and bf16 output rounding);
+    each row's result is the same whatever the batch; and the portable loops agree on every build."""
+    from quantkit.quant.qparams import dequantize
+    from quantkit.runtime.layers.linear import F32_PANEL_MAX_ROWS, Linear, QuantWeight
+
+    m = fused_ops(isa)
+    if str(dtype).removeprefix("torch.") not in m.panel_dtypes():
+        pytest.skip(f"{isa}: no bf16 dot products")
     gen, q, scale, zp = random_int4(48, 1536, group, sym, seed=6)
     if bits == 8:  # the full signed 8-bit range, zero points too
         q = torch.randint(-128, 128, q.shape, generator=gen, dtype=torch.int8)
         zp = None if zp is None else torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
         scale = scale / 16
-    lin = Linear(QuantWeight(q, scale, zp, bits, group), None, torch.bfloat16, "packed", fused=True, head=bits == 8)  # int8 panels: the head only
+    head = bits == 8 and dtype == torch.bfloat16  # bf16: int8 panels for the head only
+    lin = Linear(QuantWeight(q, scale, zp, bits, group), None, dtype, "packed", fused=True, head=head)
     assert lin.mode == f"int{bits}_panels"
-    x = torch.randn(100, 1536, generator=gen).bfloat16()
+    x = torch.randn(100, 1536, generator=gen).to(dtype)
     w = dequantize(q, scale, zp).double()  # exact: (q - zp) * scale in float32
-    full = lin(x)
     want = x.double() @ w.T
     # float32 sums of x * (bias + u) less bias * sum(x): the cancellation costs ~bias * 2**-24 of the outputs' scale
-    # (bias 136 for int4, 2304 for int8), far below the bf16 rounding of all but the outputs nearest zero
+    # (bias 136 for int4, 2304 for int8 in bf16), far below bf16 rounding; float32 outputs are held to that floor
     floor = {4: 1e-5, 8: 6e-5}[bits] * want.abs().max()
-    assert ((full.double() - want).abs() <= 2**-8 * want.abs() + floor).all()
-    for rows in (1, 2, 3, 5, 7, 13, 30, 97):
-        assert torch.equal(lin(x[:rows]), full[:rows])
+    rel = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    small = x[:F32_PANEL_MAX_ROWS]  # float32 above F32_PANEL_MAX_ROWS rows: dequantised from the panels, then sgemm
+    full = lin(small)
+    assert ((full.double() - want[: len(small)]).abs() <= rel * want[: len(small)].abs() + floor).all()
+    for rows in (1, 2, 3, 5, 7, 13, 30):
+        assert torch.equal(lin(small[:rows]), full[:rows])
+    big = lin(x)
+    assert ((big.double() - want).abs() <= rel * want.abs() + floor).all()
+    if dtype == torch.float32:
+        portable = m.panel_gemm_scalar(x, lin.packed, lin.params, lin.group)
+        assert ((portable.double() - want).abs() <= rel * want.abs() + floor).all()
 
 
-def test_bf16_panel_gemm_lm_head_matches_and_serves_embedding_rows():
-    """A dense bf16 weight in panels (the lm_head): the product equals float64's up to float32 sums and bf16
-    output rounding, is batch-invariant, and `rows` reads back the exact weight rows (the tied embedding)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_panel_gemm_lm_head_matches_and_serves_embedding_rows(isa, dtype):
+    """A dense bf16 weight in panels (the lm_head): the product equals float64's up to float32 sums (and bf16
+    output rounding), is batch-invariant, and `rows` reads back the exact weight rows (the tied embedding)."""
     from quantkit.runtime.layers.linear import Linear
 
-    if not fused_ops().panel_gemm_available():
-        pytest.skip("this CPU has no AVX-512 BF16")
+    if str(dtype).removeprefix("torch.") not in fused_ops(isa).panel_dtypes():
+        pytest.skip(f"{isa}: no bf16 dot products")
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(80, 576, generator=gen).bfloat16()
-    head = Linear(w, None, torch.bfloat16, "packed", fused=True, head=True)
+    head = Linear(w, None, dtype, "packed", fused=True, head=True)
     assert head.mode == "bf16_panels"
-    x = torch.randn(40, 576, generator=gen).bfloat16()
+    x = torch.randn(40, 576, generator=gen).to(dtype)
     full = head(x)
     want = x.double() @ w.double().T
-    assert ((full.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * want.abs().max()).all()
+    rel = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    assert ((full.double() - want).abs() <= rel * want.abs() + 1e-5 * want.abs().max()).all()
     for rows in (1, 2, 5, 12, 33):
         assert torch.equal(head(x[:rows]), full[:rows])
     ids = torch.tensor([0, 17, 79, 17, 40])
-    assert torch.equal(head.rows(ids), w[ids])
+    assert torch.equal(head.rows(ids), w[ids].to(dtype))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_panel_dequant_equals_the_reference_weight(isa, bits):
+    """The dense copy prefill-sized float32 inputs multiply: bit for bit the reference's (q - zp) * scale."""
+    from quantkit.quant.qparams import dequantize
+    from quantkit.runtime.layers.linear import Linear, QuantWeight
+
+    fused_ops(isa)
+    gen, q, scale, zp = random_int4(48, 256, 64, False, seed=9)
+    if bits == 8:
+        q = torch.randint(-128, 128, q.shape, generator=gen, dtype=torch.int8)
+        zp = torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
+    lin = Linear(QuantWeight(q, scale, zp, bits, 64), None, torch.float32, "packed", fused=True)
+    assert torch.equal(fused_ops(isa).panel_dequant_t(lin.packed, lin.params, 64).T, dequantize(q, scale, zp))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fused_norm_rope_silu_equal_the_pytorch_chains(dtype):
+def test_fused_norm_rope_silu_equal_the_pytorch_chains(isa, dtype):
     from quantkit.runtime.layers.basic import RMSNorm, apply_rotary
 
-    m = fused_ops()
+    m = fused_ops(isa)
     gen = torch.Generator().manual_seed(4)
     x, r = torch.randn(5, 576, generator=gen).to(dtype), torch.randn(5, 576, generator=gen).to(dtype)
     norm = RMSNorm(torch.randn(576, generator=gen), 1e-5, dtype)
@@ -191,11 +252,11 @@ def test_fused_norm_rope_silu_equal_the_pytorch_chains(dtype):
 
 @pytest.mark.parametrize("dtype, fp8, d", [(torch.bfloat16, False, 64), (torch.bfloat16, True, 64), (torch.float32, False, 64),
                                            (torch.float32, True, 64), (torch.bfloat16, False, 128), (torch.float32, True, 32)])
-def test_fused_paged_decode_attention_matches_reference(dtype, fp8, d):
+def test_fused_paged_decode_attention_matches_reference(isa, dtype, fp8, d):
     """Several sequences of different lengths over scattered blocks: the store equals the reference's (FP8 bytes
     included) and the attention output the reference's over the gathered, dequantised context. Head sizes 64 and
     128 have their own vector code; 32 takes the general loops."""
-    m = fused_ops()
+    m = fused_ops(isa)
     gen = torch.Generator().manual_seed(5)
     blocks, bs, kv_heads, heads = 40, 16, 3, 9
     ks = torch.tensor([0.02, 0.05, 0.03]) if fp8 else torch.ones(3)
@@ -230,10 +291,10 @@ def test_fused_paged_decode_attention_matches_reference(dtype, fp8, d):
         assert torch.equal(m.decode_attention(*one), out[i : i + 1])
 
 
-def test_fused_attention_reads_every_fp8_code_exactly():
+def test_fused_attention_reads_every_fp8_code_exactly(isa):
     """A sequence of one token attends to it with weight exactly 1, so float32 output = the cached values read
     back: every finite E4M3 code (subnormals included) times a per-head scale must equal the reference's."""
-    m = fused_ops()
+    m = fused_ops(isa)
     kv_heads, heads, d = 3, 3, 64
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     codes = codes[codes.float().isfinite()]

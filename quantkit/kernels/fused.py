@@ -1,9 +1,13 @@
-"""Fused CPU ops for the decode step (csrc/fused.cpp), compiled once per machine on first use.
+"""Fused CPU ops for the decode step and the panel GEMM (csrc/), compiled once per machine and instruction set.
 
 A single-stream CPU token with 4-bit weights is mostly per-op overhead: ~10 small PyTorch ops a layer
 (norms, rotary, KV gathers and casts, softmax, SiLU) at 5-30 us each. These ops do each chain in one call
 and read the paged KV cache in place. They need a C++ compiler; without one (or with QUANTKIT_FUSED=0)
 `ops()` is None and the runtime keeps its PyTorch path, after saying so once.
+
+One source, three builds: "native" (-march=native: AVX-512 BF16, AVX-512 or AVX2 kernels, whatever this CPU has),
+"avx2" (any x86-64 with AVX2 + FMA) and "scalar" (portable C++: any CPU, ARM64 included). QUANTKIT_ISA=avx2 or
+=scalar forces a lower one, so a machine with more still runs (and tests) the paths other CPUs take.
 """
 
 from __future__ import annotations
@@ -12,56 +16,135 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
+from quantkit import QuantkitError
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "fused.cpp"
+LEVELS = ("native", "avx2", "scalar")
 # -fopenmp: at::parallel_for is inline OpenMP, so without it every op runs on one thread (the runtime is libgomp.so.1,
 # already loaded by torch); -ffp-contract=off: no FMA contraction, so products round as PyTorch's do
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 
-def _build_dir() -> Path:
-    """Per CPU (the build is -march=native), torch version and source: a shared home never mixes machines."""
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (empty where /proc/cpuinfo has none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((l for l in text.splitlines() if l.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def native_bf16() -> bool:
+    """Native bfloat16 dot products (AVX512_BF16 or AMX): where bf16 activations are faster than float32."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def native_isa() -> str:
+    """The kernels a -march=native build compiles to here: avx512-bf16, avx512, avx2 or scalar."""
+    f = cpu_flags()
+    if not x86():
+        return "scalar"
+    if {"avx512f", "avx512dq"} <= f:
+        return "avx512-bf16" if "avx512_bf16" in f else "avx512"
+    return "avx2" if {"avx2", "fma"} <= f else "scalar"
+
+
+def runnable_levels() -> list[str]:
+    """The builds this CPU can run, best first (duplicates folded: on an AVX2-only CPU native is the AVX2 build)."""
+    levels = ["native"]
+    if native_isa() in ("avx512-bf16", "avx512"):
+        levels.append("avx2")
+    if native_isa() != "scalar":
+        levels.append("scalar")
+    return levels
+
+
+def selected_level() -> str:
+    """QUANTKIT_ISA (auto, native, avx2, scalar): the build the runtime uses."""
+    name = os.environ.get("QUANTKIT_ISA", "auto").strip().lower() or "auto"
+    name = "native" if name == "auto" else name
+    if name not in LEVELS:
+        raise QuantkitError(f"QUANTKIT_ISA={name}: use auto, {', '.join(LEVELS)}")
+    if name == "avx2" and native_isa() == "avx2":
+        return "native"
+    if name not in runnable_levels():
+        raise QuantkitError(f"QUANTKIT_ISA={name}: this CPU ({native_isa()}) cannot run it; use auto or scalar")
+    return name
+
+
+def level_flags(level: str) -> list[str]:
+    if level == "native":
+        return ["-march=native"]
+    if level == "avx2":
+        return ["-march=x86-64", "-mavx2", "-mfma", "-mf16c", "-mtune=generic"]
+    return ["-march=x86-64", "-mtune=generic"] if x86() else []
+
+
+def _build_dir(level: str) -> Path:
+    """Per CPU (for the native build), torch version, flags and source: a shared home never mixes machines."""
     from quantkit.models import cache_dir
 
-    sources = [f.read_text() for f in sorted(SOURCE.parent.iterdir()) if f.suffix in (".cpp", ".h")]
-    key = hashlib.sha256("\n".join([flags, torch.__version__, *sources, *FLAGS]).encode()).hexdigest()[:16]
-    root = cache_dir() / "kernels" / key
+    sources = [f.read_text() for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h")]
+    cpu = " ".join(sorted(cpu_flags())) if level == "native" else platform.machine()
+    key = hashlib.sha256("\n".join([cpu, torch.__version__, *sources, *FLAGS, *level_flags(level)]).encode()).hexdigest()[:16]
+    root = cache_dir() / "kernels" / f"{level}-{key}"
     root.mkdir(parents=True, exist_ok=True)
     return root
 
 
-@functools.cache
 def ops():
-    """The compiled module, or None when it cannot be built here (reported once on stderr)."""
+    """The compiled module for the selected instruction set, or None when it cannot be built here (reported once)."""
     if os.environ.get("QUANTKIT_FUSED", "1") == "0":
         return None
+    return build(selected_level())
+
+
+@functools.cache
+def build(level: str):
+    """The module compiled for `level` (one of LEVELS), or None (reported once on stderr)."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return _unavailable(f"no C++ compiler: {compiler} not found")
     try:
         from torch.utils.cpp_extension import load
 
-        build = _build_dir()
+        root = _build_dir(level)
         venv_bin = str(Path(sys.executable).parent)  # where pip puts `ninja`, which the build runs
         if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-        if not any(build.glob("*.so")):
-            print("quantkit: compiling fused CPU kernels (once per machine, ~30 s)", file=sys.stderr, flush=True)
+        if not any(root.glob("*.so")):
+            isa = native_isa() if level == "native" else level
+            print(f"quantkit: compiling the CPU kernels for {isa} (once per machine, ~40 s)", file=sys.stderr, flush=True)
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its compiler-ABI lecture
-        return load("quantkit_fused", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build),
-                    verbose=False)
+        return load(f"quantkit_fused_{level}", [str(SOURCE)], extra_cflags=FLAGS + level_flags(level), extra_ldflags=["-fopenmp"],
+                    build_directory=str(root), verbose=False)
     except Exception as e:  # noqa: BLE001 -- no ninja, a failed build: the PyTorch path still works
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         return _unavailable(next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
                                  lines[-1])[:300])
+
+
+def describe() -> str:
+    """Which kernels run and why, for the engine's start line."""
+    m = ops()
+    if m is None:
+        return "PyTorch ops (no fused CPU kernels)"
+    why = "forced by QUANTKIT_ISA" if os.environ.get("QUANTKIT_ISA", "auto") not in ("", "auto", "native") else "this CPU's best"
+    return f"{m.isa()} CPU kernels ({why})"
 
 
 def _unavailable(reason: str) -> None:

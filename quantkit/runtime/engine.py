@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from quantkit import QuantkitError
+from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.json_mode import JsonPrefix, choose
 from quantkit.runtime.kv_cache import CacheSpec, KVCache
@@ -34,7 +35,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass(slots=True)
 class EngineConfig:
-    dtype: str = "auto"  # compute dtype: auto (the checkpoint's, bf16 for fp32 checkpoints), bf16, fp16, fp32
+    dtype: str = "auto"  # compute dtype: auto (the checkpoint's 16-bit dtype, bf16 for fp32 checkpoints; on a CPU without
+    # native bf16 dot products float32), bf16, fp16, fp32
     kv_cache_dtype: str = "auto"  # auto (fp8 when the checkpoint has calibrated scales, else the compute dtype), fp8, bf16, fp16, fp32
     kv_cache_memory: int | None = None  # bytes; default: enough for max_num_seqs full contexts, at most 25% of free memory
     block_size: int = 16
@@ -72,7 +74,7 @@ class LLMEngine:
             raise QuantkitError(f"kernel {cfg.kernel}: use auto or one of {', '.join(KERNELS)}")
         self.path = Path(path)
         hf = json.loads((self.path / "config.json").read_text())
-        self.dtype = _compute_dtype(cfg.dtype, hf)
+        self.dtype = _compute_dtype(cfg.dtype, hf, cfg.device)
         if cfg.lm_head not in ("auto", "int8"):
             raise QuantkitError(f"lm_head {cfg.lm_head}: use auto or int8")
         self.model = LlamaModel(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
@@ -105,7 +107,8 @@ class LLMEngine:
         dtype = "fp8 e4m3" if self.cache.fp8 else str(spec.dtype).removeprefix("torch.")
         return (f"KV cache: {self.cache.tokens:,} tokens ({self.cache.num_blocks:,} blocks of {spec.block_size}, {dtype}, "
                 f"{self.cache.num_blocks * spec.bytes_per_block / 2**20:,.0f} MiB); kernels: {self.cfg.kernel}"
-                f"{' + fused' if self.model.fused else ''} on {self.cfg.device}")
+                f"{' + ' + fused_kernels.describe() if self.model.fused else ''} on {self.cfg.device}, "
+                f"{str(self.dtype).removeprefix('torch.')} activations{_dtype_reason(self.cfg, self.dtype)}")
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -285,13 +288,24 @@ def _settled(text: str, stops: list[str]) -> str:
     return text[: len(text) - hold]
 
 
-def _compute_dtype(name: str, hf: dict) -> torch.dtype:
+def _compute_dtype(name: str, hf: dict, device: str) -> torch.dtype:
+    """auto: 16-bit activations where they are native (a GPU, a CPU with AVX512_BF16 or AMX); elsewhere float32,
+    since PyTorch emulates bf16 GEMMs there at a fraction of float32's speed and quantkit's int4/int8 kernels take
+    float32 activations on every CPU."""
     if name != "auto":
         if name not in DTYPES:
             raise QuantkitError(f"dtype {name}: use auto, bf16, fp16 or fp32")
         return DTYPES[name]
+    if device == "cpu" and not fused_kernels.native_bf16():
+        return torch.float32
     src = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
     return torch.float16 if src == "float16" else torch.bfloat16
+
+
+def _dtype_reason(cfg: EngineConfig, dtype: torch.dtype) -> str:
+    if cfg.dtype != "auto" or cfg.device != "cpu":
+        return ""
+    return " (native bf16 dot products)" if dtype != torch.float32 else " (this CPU has no native bf16 dot products)"
 
 
 def _kv_dtype(name: str, compute: torch.dtype, scales, layers: int):

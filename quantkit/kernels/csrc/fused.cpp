@@ -11,12 +11,11 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "panel_gemm.h"
+#include "vec.h"
 
 #include <algorithm>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace {
@@ -27,7 +26,7 @@ inline float f(T x) { return static_cast<float>(x); }
 // Rows are independent; parallelise only when there is enough work to pay for waking a thread.
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
-// exp(x) for x in [-87, 88] (Cephes' expf polynomial: within 2 ulp), scalar and 16 lanes at a time.
+// exp(x) for x in [-87, 88] (Cephes' expf polynomial: within 2 ulp), scalar and a vector at a time.
 inline float fast_exp(float x) {
   x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -42,21 +41,19 @@ inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
-#if defined(__AVX512F__)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+#ifdef QUANTKIT_VEC
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vset(-87.f)), vset(88.f));
+  const vf n = vfloor(vfma(x, vset(1.44269504088896341f), vset(0.5f)));
+  const vf r = vfma(n, vset(2.12194440e-4f), vfnma(n, vset(0.693359375f), x));
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vadd(vfma(vmul(p, r), r, r), vset(1.f));
+  return vmul(p, vpow2(n));
 }
 #endif
 
@@ -64,10 +61,10 @@ inline __m512 exp16(__m512 x) {
 inline float dot(const float* a, const float* b, int64_t n) {
   float total = 0.f;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
-  total = _mm512_reduce_add_ps(acc);
+#ifdef QUANTKIT_VEC
+  vf acc = vzero();
+  for (; j + kW <= n; j += kW) acc = vfma(vload(a + j), vload(b + j), acc);
+  total = vsum(acc);
 #endif
   for (; j < n; ++j) total += a[j] * b[j];
   return total;
@@ -76,35 +73,30 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // y += p * x
 inline void axpy(float p, const float* x, float* y, int64_t n) {
   int64_t j = 0;
-#if defined(__AVX512F__)
-  const __m512 pv = _mm512_set1_ps(p);
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + j), _mm512_loadu_ps(y + j)));
+#ifdef QUANTKIT_VEC
+  const vf pv = vset(p);
+  for (; j + kW <= n; j += kW) vstore(y + j, vfma(pv, vload(x + j), vload(y + j)));
 #endif
   for (; j < n; ++j) y[j] += p * x[j];
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-#define QUANTKIT_AVX512_HEADS 1
+#ifdef QUANTKIT_VEC
 // Head sizes 64 (SmolLM, Llama 3.2 1B, Qwen2 0.5B) and 128 (Qwen2.5 1.5B, Llama 3 8B): scores of one query head
 // against m keys (rows at `stride`), four keys at a time so that one transpose-add reduces four dot products.
 template <int D>
 inline void scores_d(const float* q, const float* keys, int64_t stride, int64_t m, float* out, float mult) {
-  constexpr int V = D / 16;
-  __m512 qv[V];
-  for (int v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
+  constexpr int V = D / kW;
+  vf qv[V];
+  for (int v = 0; v < V; ++v) qv[v] = vload(q + kW * v);
   int64_t t = 0;
   for (; t + 4 <= m; t += 4) {
-    __m512 a[4];
+    vf a[4];
     for (int i = 0; i < 4; ++i) {
       const float* k = keys + (t + i) * stride;
-      a[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-      for (int v = 1; v < V; ++v) a[i] = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), a[i]);
+      a[i] = vmul(qv[0], vload(k));
+      for (int v = 1; v < V; ++v) a[i] = vfma(qv[v], vload(k + kW * v), a[i]);
     }
-    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(r), _mm512_extractf32x8_ps(r, 1));  // [key 0..3] per 128-bit lane
-    _mm_storeu_ps(out + t, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(mult)));
+    _mm_storeu_ps(out + t, _mm_mul_ps(vsum4(a), _mm_set1_ps(mult)));
   }
   for (; t < m; ++t) out[t] = dot(q, keys + t * stride, D) * mult;
 }
@@ -112,47 +104,56 @@ inline void scores_d(const float* q, const float* keys, int64_t stride, int64_t 
 // acc (D floats) += sum_t p[t] * values[t], the accumulator held in registers across the keys.
 template <int D>
 inline void accumulate_d(const float* p, const float* values, int64_t stride, int64_t m, float* acc) {
-  constexpr int V = D / 16;
-  __m512 a[V];
-  for (int v = 0; v < V; ++v) a[v] = _mm512_loadu_ps(acc + 16 * v);
+  constexpr int V = D / kW;
+  vf a[V];
+  for (int v = 0; v < V; ++v) a[v] = vload(acc + kW * v);
   for (int64_t t = 0; t < m; ++t) {
     const float* x = values + t * stride;
-    const __m512 pv = _mm512_set1_ps(p[t]);
-    for (int v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + 16 * v), a[v]);
+    const vf pv = vset(p[t]);
+    for (int v = 0; v < V; ++v) a[v] = vfma(pv, vload(x + kW * v), a[v]);
   }
-  for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, a[v]);
+  for (int v = 0; v < V; ++v) vstore(acc + kW * v, a[v]);
 }
+#endif
 
-// The specialised head sizes: scores / accumulation of query heads q0..q1 over a tile; false for other sizes.
+// Scores / accumulation of query heads q0..q1 over a tile with the specialised head sizes; false for other sizes
+// (or no vectors), which take the general loops.
 inline bool tile_scores(int64_t d, const float* qf, const float* tile, int64_t row, int64_t m, int64_t q0, int64_t q1, int64_t group,
                         float* scores, int64_t n, int64_t t0, float sm_scale, const float* kscale) {
+#ifdef QUANTKIT_VEC
   if (d != 64 && d != 128) return false;
   for (int64_t h = q0; h < q1; ++h)
     (d == 64 ? scores_d<64> : scores_d<128>)(qf + h * d, tile + (h / group) * d, row, m, scores + h * n + t0, sm_scale * kscale[h / group]);
   return true;
+#else
+  return false;
+#endif
 }
 inline bool tile_accumulate(int64_t d, const float* scores, const float* tile, int64_t row, int64_t m, int64_t q0, int64_t q1,
                             int64_t group, int64_t n, int64_t t0, float* acc) {
+#ifdef QUANTKIT_VEC
   if (d != 64 && d != 128) return false;
   for (int64_t h = q0; h < q1; ++h)
     (d == 64 ? accumulate_d<64> : accumulate_d<128>)(scores + h * n + t0, tile + (h / group) * d, row, m, acc + h * d);
   return true;
-}
+#else
+  return false;
 #endif
+}
 
 // x[j] = exp(x[j] - shift); returns their sum
 inline float exp_shifted(float* x, int64_t n, float shift) {
   float total = 0.f;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 sv = _mm512_set1_ps(shift);
-  for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), sv));
-    _mm512_storeu_ps(x + j, e);
-    acc = _mm512_add_ps(acc, e);
+#ifdef QUANTKIT_VEC
+  vf acc = vzero();
+  const vf sv = vset(shift);
+  for (; j + kW <= n; j += kW) {
+    const vf e = vexp(vsub(vload(x + j), sv));
+    vstore(x + j, e);
+    acc = vadd(acc, e);
   }
-  total = _mm512_reduce_add_ps(acc);
+  total = vsum(acc);
 #endif
   for (; j < n; ++j) total += (x[j] = fast_exp(x[j] - shift));
   return total;
@@ -161,10 +162,10 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
 // x[j] = silu(x[j]) = x / (1 + exp(-x))
 inline void silu_inplace(float* x, int64_t n) {
   int64_t j = 0;
-#if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    _mm512_storeu_ps(x + j, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+#ifdef QUANTKIT_VEC
+  for (; j + kW <= n; j += kW) {
+    const vf v = vload(x + j);
+    vstore(x + j, vdiv(v, vadd(vset(1.f), vexp(vsub(vzero(), v)))));
   }
 #endif
   for (; j < n; ++j) x[j] = x[j] / (1.f + fast_exp(-x[j]));
@@ -356,9 +357,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t t0 = 0; t0 < n; t0 += block) {
         const int64_t m = std::min(n - t0, block);
         read_tile(kcache + table[s * max_blocks + t0 / block] * block * row, m);
-#ifdef QUANTKIT_AVX512_HEADS
         if (tile_scores(d, qf.data(), tile.data(), row, m, q0, q1, group, scores.data(), n, t0, sm_scale, kscale)) continue;
-#endif
         for (int64_t t = 0; t < m; ++t)
           for (int64_t h = q0; h < q1; ++h)
             scores[h * n + t0 + t] = dot(qf.data() + h * d, tile.data() + t * row + (h / group) * d, d) * (sm_scale * kscale[h / group]);
@@ -375,9 +374,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t t0 = 0; t0 < n; t0 += block) {
         const int64_t m = std::min(n - t0, block);
         read_tile(vcache + table[s * max_blocks + t0 / block] * block * row, m);
-#ifdef QUANTKIT_AVX512_HEADS
         if (tile_accumulate(d, scores.data(), tile.data(), row, m, q0, q1, group, n, t0, acc.data())) continue;
-#endif
         for (int64_t t = 0; t < m; ++t)
           for (int64_t h = q0; h < q1; ++h) axpy(scores[h * n + t0 + t], tile.data() + t * row + (h / group) * d, acc.data() + h * d, d);
       }
@@ -411,20 +408,58 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 // --- panel GEMM: int4 layers and the lm_head (panel_gemm.h) -------------------------------------------------------
 
-bool panel_gemm_available() {
+// The instruction set this build's kernels use, as quantkit names it (describe() reports it).
+std::string isa() {
 #if defined(__AVX512BF16__)
-  return true;
+  return "avx512-bf16";
+#elif defined(QUANTKIT_VEC) && QUANTKIT_VEC == 16
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
 #else
-  return false;
+  return "scalar";
 #endif
 }
 
-// x [M, K] bf16 -> [M, N] bf16, with w either int4 panels uint8 [N/16, K/8, 64] (int8: [N/16, K/8, 128]) and params
-// f32 [2, N/16, K/group, 16] (scales, then 136 + zero points for int4, 2304 + zero points for int8), or bf16 panels
-// [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
-at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
+// The activation dtypes panel_gemm takes here: float32 always (AVX2 or the portable loops), bfloat16 only with
+// native bf16 dot products.
+std::vector<std::string> panel_dtypes() {
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kBFloat16, "panel_gemm: x must be 2-D bfloat16");
+  return {"float32", "bfloat16"};
+#else
+  return {"float32"};
+#endif
+}
+
+inline bool panel_gemm_supports(at::ScalarType dtype) {
+  return dtype == at::kFloat
+#if defined(__AVX512BF16__)
+         || dtype == at::kBFloat16
+#endif
+      ;
+}
+
+template <typename X>
+std::vector<float> group_sums(const X* x, int64_t rows, int64_t group) {  // float32 sum of x over each group
+  std::vector<float> out(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    float s = 0.f;
+    for (int64_t c = 0; c < group; ++c) {
+      if constexpr (std::is_same_v<X, float>)
+        s += x[i * group + c];
+      else
+        s += __builtin_bit_cast(float, static_cast<uint32_t>(x[i * group + c]) << 16);
+    }
+    out[i] = s;
+  }
+  return out;
+}
+
+// x [M, K] (bfloat16 where supported, float32) -> [M, N] in x's dtype, with w either int4 panels uint8 [N/16, K/8, 64]
+// (int8: [N/16, K/8, 128]) and params f32 [2, N/16, K/group, 16] (scales, then 136 + zero points for int4, 2304 + zero
+// points for int8), or bf16 panels [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
+at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
+  TORCH_CHECK(x_.dim() == 2 && panel_gemm_supports(x_.scalar_type()), "panel_gemm: x must be 2-D float32 (or bfloat16 on AVX-512 BF16)");
   const bool dense = w.scalar_type() == at::kBFloat16;
   const at::Tensor x = x_.contiguous();
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
@@ -434,28 +469,61 @@ at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tenso
                   params.size(2) == groups && params.size(3) == panel::kPanel && (!dense || groups == 1),
               "panel_gemm: weight layout does not match x");
   at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  std::vector<float> xsum(m * groups);
-  for (int64_t i = 0; i < m * groups && !dense; ++i) {  // sum of x over each group, float32 (a bf16 weight has zeros 0)
-    const uint16_t* g = xp + i * group;
-    int64_t c = 0;
-    __m512 acc = _mm512_setzero_ps();
-    for (; c + 16 <= group; c += 16) {
-      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + c)));
-      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-    }
-    float s = _mm512_reduce_add_ps(acc);
-    for (; c < group; ++c) s += __builtin_bit_cast(float, static_cast<uint32_t>(g[c]) << 16);
-    xsum[i] = s;
-  }
   const float* pp = params.data_ptr<float>();
   const int64_t plane = params.numel() / 2;
-  panel::run({xp, dense ? nullptr : w.data_ptr<uint8_t>(), dense ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr,
-             xsum.data(), pp, pp + plane, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k, y.size(1), groups, group}, bits);
-  return y;
+  const uint8_t* packed = dense ? nullptr : w.data_ptr<uint8_t>();
+  const uint16_t* dw = dense ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    const float* xp = x.data_ptr<float>();
+    const std::vector<float> xsum = group_sums(xp, m * groups, group);
+    const panel::Problem<float> pb{xp, packed, dw, xsum.data(), pp, pp + plane, y.data_ptr<float>(), m, k, y.size(1), groups, group};
+#ifdef QUANTKIT_VEC
+    panel::f32::run(pb, bits);
 #else
-  TORCH_CHECK(false, "panel_gemm needs AVX-512 BF16");
+    panel::scalar::run(pb, bits);
 #endif
+    return y;
+  }
+#if defined(__AVX512BF16__)
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const std::vector<float> xsum = dense ? std::vector<float>(m * groups) : group_sums(xp, m * groups, group);  // bf16 weights: zeros 0
+  panel::bf16::run({xp, packed, dw, xsum.data(), pp, pp + plane, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k,
+                    y.size(1), groups, group}, bits);
+#endif
+  return y;
+}
+
+// int4 or int8 panels and their params -> the dense weight transposed, [K, N] float32 (see panel_f32.h).
+at::Tensor panel_dequant_t(const at::Tensor& w, const at::Tensor& params, int64_t group) {
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.dim() == 3 && params.is_contiguous(), "panel_dequant_t: int4/int8 panels");
+  const int bits = w.size(2) == 8 * panel::kPanel ? 8 : 4;
+  const int64_t k = w.size(1) * 8, n = w.size(0) * panel::kPanel, groups = k / group;
+  TORCH_CHECK(k % group == 0 && params.size(2) == groups, "panel_dequant_t: params do not match the weight");
+  at::Tensor wt = at::empty({k, n}, params.options());
+  const float* pp = params.data_ptr<float>();
+  const panel::Problem<float> pb{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, pp, pp + params.numel() / 2, nullptr, 0, k, n, groups, group};
+#ifdef QUANTKIT_VEC
+  panel::f32::dequant_t(pb, bits, wt.data_ptr<float>());
+#else
+  panel::scalar::dequant_t(pb, bits, wt.data_ptr<float>());
+#endif
+  return wt;
+}
+
+// The portable loops on any build, whatever the vector path: the tests check each against the reference.
+at::Tensor panel_gemm_scalar(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "panel_gemm_scalar: x must be 2-D float32");
+  const bool dense = w.scalar_type() == at::kBFloat16;
+  const at::Tensor x = x_.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  const int bits = dense ? 16 : w.size(2) == 8 * panel::kPanel ? 8 : 4;
+  at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());
+  const float* pp = params.data_ptr<float>();
+  const std::vector<float> xsum = group_sums(x.data_ptr<float>(), m * groups, group);
+  panel::scalar::run({x.data_ptr<float>(), dense ? nullptr : w.data_ptr<uint8_t>(),
+                      dense ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr, xsum.data(), pp,
+                      pp + params.numel() / 2, y.data_ptr<float>(), m, k, y.size(1), groups, group}, bits);
+  return y;
 }
 
 // --- the whole decode step's layer loop --------------------------------------------------------------------
@@ -532,8 +600,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_);
   m.def("silu_mul", &silu_mul);
   m.def("decode_attention", &decode_attention);
-  m.def("panel_gemm_available", &panel_gemm_available);
+  m.def("isa", &isa);
+  m.def("panel_dtypes", &panel_dtypes);
   m.def("panel_gemm", &panel_gemm);
+  m.def("panel_gemm_scalar", &panel_gemm_scalar);
+  m.def("panel_dequant_t", &panel_dequant_t);
   py::class_<Linear>(m, "Linear").def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>());
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, double>())

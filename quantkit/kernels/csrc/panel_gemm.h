@@ -1,185 +1,66 @@
-// y = x W^T for 4-bit (or 8-bit) weights and bfloat16 activations, on AVX-512 BF16 (vdpbf16ps): the linear layers
-// of a batched decode step. PyTorch's int4 op runs at about half the rate of a bf16 GEMM on the same shapes at
-// 8-64 rows; this kernel unpacks each weight once per call into bf16 and reuses it for every row: ~2x the
-// int4 op at 32 rows, level at one (bench/panel_gemm.py).
+// y = x W^T for 4-bit (or 8-bit) weights: the linear layers of a decode step and, for float32 activations, of
+// prefill too. Three implementations of one arithmetic, chosen by what the module was compiled for:
+//   panel_bf16.h    bfloat16 activations on AVX-512 BF16 (vdpbf16ps)
+//   panel_f32.h     float32 activations on any x86-64 with AVX2 + FMA (AVX-512: twice the lanes)
+//   panel_scalar.h  float32 activations in plain C++, for every other CPU (ARM64 included)
+// PyTorch's int4 op runs at about half the rate of a bf16 GEMM on the same shapes at 8-64 rows and at 1/30 of it
+// with float32 activations; these unpack each weight once per call and reuse it for every row (bench/panel_gemm.py).
 //
 // Weight layout (repacked at load, formats/pack.py `pack_int4_panels`): panels of 16 output channels,
 //   packed uint8 [N/16, K/8, 64]: 16 little-endian dwords a line, dword c holding channel c's inputs 8L..8L+7 as
 //                u = q + 8 in [0, 15]: input 8L + 2i in bits 4i..4i+3, input 8L + 2i + 1 in bits 16+4i..19+4i
 //   params  f32  [2, N/16, G, 16]: the group scales, then 136 + zero_point
-// So one 64-byte load holds four pairs of inputs for the panel, and pair i is (line >> 4i) & 0x000F000F: OR-ing
-// that into the bits of bfloat16 128.0 (0x4300) gives exactly 128 + u, one shift and one ternary-logic op a pair
-// (the former one-pair-a-load layout needed a cross-lane widening, a shift, an AND and an OR: single-row GEMMs
-// from DRAM ran at ~20 GB/s, where the bf16 head runs at ~28). vdpbf16ps sums x * (128 + u) over a group in float32
-// (products of two 8-bit mantissas are exact), and the group adds scale * (acc - (136 + zp) * sum(x)) =
-// scale * sum(x * (q - zp)).
+// So one 64-byte load holds four pairs of inputs for the panel, and pair i is (line >> 4i) & 0x000F000F.
+// Each group sums x * (bias + u) in float32 and adds scale * (acc - (bias + 8 + zp) * sum(x)) = scale * sum(x * (q - zp)):
+// bias 128 on AVX-512 BF16 (OR-ing u into the bits of bfloat16 128.0 reads as 128 + u, one op a pair; products of
+// two 8-bit mantissas are exact), bias 0 for float32 activations (u converted to float exactly).
 // 8-bit weights (u = q + 128 in [0, 255]) are two such nibble planes, [N/16, K/8, 128]: the low nibbles' line, then
-// the high nibbles' line, read with bias 0x4500 = 16 * (128 + h); one accumulator takes both, x * (u + 2176), and
-// the group subtracts (2304 + zp) * sum(x). An int8 head then reads half the bytes of the bf16 one.
-// Each output is computed the same way whatever the batch, so a row's result does not depend on its batch.
-//
+// the high nibbles' line; params hold 2304 + zp (bfloat16 reads the high nibbles with bias 0x4500 = 16 * (128 + h),
+// so one accumulator takes x * (u + 2176)). An int8 head then reads half the bytes of the bf16 one.
 // The same tiles serve a bfloat16 weight held as panels of pairs, bf16 [N/16, K/2, 16, 2] (one group, scale 1,
-// zero 0): the lm_head, 2.5x oneDNN's bf16 GEMM at one row here and 1.3x at 32 (bench/panel_gemm.py).
+// zero 0): the lm_head, 2.5x oneDNN's bf16 GEMM at one row and 1.3x at 32.
+// Weights are never rounded, and each output is computed the same way whatever the batch, so a row's result does
+// not depend on its batch.
 
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-
+// Everything here has internal linkage: each ISA's build of the module is its own shared object, and two of them
+// loaded in one process (the tests compare them) must not resolve each other's inline functions.
+namespace {
 namespace panel {
 
-constexpr int64_t kPanel = 16;  // output channels per panel: one zmm of float32 accumulators
-constexpr int kMaxRows = 12;    // rows per tile: 12 accumulators + 12 totals + operands fit in 32 registers
+constexpr int64_t kPanel = 16;  // output channels per panel
 
-// Pair I of a packed line (four pairs of one panel) -> 32 bfloat16 (bias + u), each channel's two inputs adjacent,
-// as vdpbf16ps pairs them. Bias 0x4300 reads as 128 + u; 0x4500 as 16 * (128 + u), the high nibbles of 8-bit weights.
-template <int I>
-inline __m512i nibbles(__m512i line, __m512i bias) {
-  const __m512i v = I == 0 ? line : _mm512_srli_epi32(line, 4 * I);
-  return _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(0x000F000F), bias, 0xEA);  // (v & m) | bias
-}
-
+template <typename X>  // X: uint16_t (bfloat16 bits) or float
 struct Problem {
-  const uint16_t* x;   // [M, K] bfloat16
+  const X* x;             // [M, K]
   const uint8_t* packed;  // int4 panels [N/16, K/8, 64] or int8 [N/16, K/8, 128]; null when the weight is
   const uint16_t* dense;  // bf16 panels [N/16, K/2, 16, 2] (else null)
-  const float* xsum;   // [M, G] float32 sum of x over each group
-  const float* scale;  // [N/16, G, 16]
-  const float* zero;   // [N/16, G, 16]: 136 + zero_point (int4), 2304 + zero_point (int8)
-  uint16_t* y;         // [M, N] bfloat16
+  const float* xsum;      // [M, G] float32 sum of x over each group
+  const float* scale;     // [N/16, G, 16]
+  const float* zero;      // [N/16, G, 16]: 136 + zero_point (int4), 2304 + zero_point (int8), 0 (bf16)
+  X* y;                   // [M, N]
   int64_t m, k, n, groups, group;
 };
 
-// Pair p + I of R rows against P panels: b from the unpacked copy w (V vectors a pair), or from the packed lines
-// (V = 2: an 8-bit weight's low nibbles, then its high ones times 16, into the same accumulator).
-template <int R, int P, int V, int I>
-inline void pair_step(const Problem& pb, const __m512i* w, const __m512i (&line)[P][V], int64_t p, const uint16_t* x,
-                      __m512 (&acc)[R][P]) {
-  __m512bh b[P][V];
-  for (int j = 0; j < P; ++j)
-    for (int v = 0; v < V; ++v)
-      b[j][v] = (__m512bh)(w ? _mm512_load_si512(w + (j * (pb.k / 2) + p + I) * V + v)
-                             : nibbles<I>(line[j][v], _mm512_set1_epi32(v ? 0x45004500 : 0x43004300)));
-  for (int r = 0; r < R; ++r) {
-    const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * pb.k + 2 * (p + I)));
-    for (int j = 0; j < P; ++j)
-      for (int v = 0; v < V; ++v) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j][v]);
-  }
-}
+// What params' zero plane holds above the float32 kernels' 8 + zp (int4) or 128 + zp (int8): the bfloat16 biases.
+inline float zero_bias(int bits) { return bits == 8 ? 2176.f : bits == 4 ? 128.f : 0.f; }
 
-// R rows x P panels of y, from P panels unpacked beforehand into w ([P][K/2][V] vectors), or with w null straight
-// from the packed weights (one row tile: unpacking next to the arithmetic overlaps it with the memory reads).
-// One accumulator per (row, panel) per group, summed pair by pair in the same order whatever R and P.
-template <int R, int P, int V>
-void tile(const Problem& pb, const __m512i* w, int64_t row, int64_t panel) {
-  const int64_t pairs = pb.group / 2, lines = pb.k / 8;
-  __m512 out[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < P; ++j) out[r][j] = _mm512_setzero_ps();
-  const uint16_t* x = pb.x + row * pb.k;
-  for (int64_t g = 0; g < pb.groups; ++g) {
-    __m512 acc[R][P];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t p = g * pairs; p < (g + 1) * pairs; p += 4) {
-      __m512i line[P][V];
-      for (int j = 0; j < P && !w; ++j)
-        for (int v = 0; v < V; ++v) line[j][v] = _mm512_loadu_si512(pb.packed + (((panel + j) * lines + p / 4) * V + v) * 64);
-      pair_step<R, P, V, 0>(pb, w, line, p, x, acc);
-      pair_step<R, P, V, 1>(pb, w, line, p, x, acc);
-      pair_step<R, P, V, 2>(pb, w, line, p, x, acc);
-      pair_step<R, P, V, 3>(pb, w, line, p, x, acc);
-    }
-    for (int j = 0; j < P; ++j) {
-      const int64_t at = ((panel + j) * pb.groups + g) * kPanel;
-      const __m512 s = _mm512_loadu_ps(pb.scale + at), z = _mm512_loadu_ps(pb.zero + at);
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_fnmadd_ps(z, _mm512_set1_ps(pb.xsum[(row + r) * pb.groups + g]), acc[r][j]);
-        out[r][j] = _mm512_fmadd_ps(s, a, out[r][j]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < P; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.y + (row + r) * pb.n + (panel + j) * kPanel), (__m256i)_mm512_cvtneps_pbh(out[r][j]));
-}
-
-using TileFn = void (*)(const Problem&, const __m512i*, int64_t, int64_t);
-
-template <int P, int V, size_t... R>
-constexpr std::array<TileFn, sizeof...(R)> tiles(std::index_sequence<R...>) {
-  return {&tile<static_cast<int>(R) + 1, P, V>...};
-}
-
-// Panels per tile by rows: few rows need several panels' accumulators in flight to hide vdpbf16ps latency.
-inline int panels_for(int rows) { return rows <= 2 ? 4 : rows <= 6 ? 2 : 1; }
-
-// Where tiles read panel `first + j` from: the bf16 weight itself, the unpacked copy, or (null) the packed bytes.
-template <int V>
-inline const __m512i* source(const Problem& pb, const std::vector<__m512i>& w, int64_t first, int64_t j, bool direct) {
-  const int64_t half = pb.k / 2;
-  if (pb.dense) return reinterpret_cast<const __m512i*>(pb.dense) + (first + j) * half;
-  return direct ? nullptr : w.data() + j * half * V;
-}
-
-// V vectors a pair: 1 for int4 and bf16 weights, 2 for int8 (its two nibbles).
-template <int V>
-inline void run_v(const Problem& pb) {
-  static const auto t1 = tiles<1, V>(std::make_index_sequence<kMaxRows>{});
-  static const auto t2 = tiles<2, V>(std::make_index_sequence<kMaxRows>{});
-  static const auto t4 = tiles<4, V>(std::make_index_sequence<kMaxRows>{});
-  const int64_t panels = pb.n / kPanel, half = pb.k / 2;
-  const bool direct = pb.dense == nullptr && pb.m <= kMaxRows;  // one row tile: no unpacked copy
-  const int64_t per_task = panels >= 128 || (direct && pb.m <= 2) ? 4 : 2;  // panels unpacked together, shared by all row tiles
-  // Prefill-sized inputs in blocks of rows that stay in L2 (~256 KiB) while every panel passes over them;
-  // the weights are unpacked again per block, a few percent of its work.
-  const int64_t block = std::max<int64_t>(kMaxRows, 262144 / (2 * pb.k) / kMaxRows * kMaxRows);
-  for (int64_t row0 = 0; row0 < pb.m; row0 += block) {
-    const int64_t row_end = std::min(pb.m, row0 + block);
-    at::parallel_for(0, (panels + per_task - 1) / per_task, 1, [&](int64_t begin, int64_t end) {
-      std::vector<__m512i> w(direct || pb.dense ? 0 : per_task * half * V);
-      const __m512i bias[2] = {_mm512_set1_epi32(0x43004300), _mm512_set1_epi32(0x45004500)};
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t first = task * per_task, count = std::min(per_task, panels - first);
-        for (int64_t j = 0; j < count && !direct && !pb.dense; ++j) {
-          const uint8_t* src = pb.packed + (first + j) * half * kPanel * V;  // K/8 groups of V lines of 64 bytes
-          __m512i* dst = w.data() + j * half * V;
-          for (int64_t p = 0; p < half; p += 4)
-            for (int v = 0; v < V; ++v) {
-              const __m512i line = _mm512_loadu_si512(src + (p / 4 * V + v) * 64);
-              dst[p * V + v] = nibbles<0>(line, bias[v]);
-              dst[(p + 1) * V + v] = nibbles<1>(line, bias[v]);
-              dst[(p + 2) * V + v] = nibbles<2>(line, bias[v]);
-              dst[(p + 3) * V + v] = nibbles<3>(line, bias[v]);
-            }
-        }
-        for (int64_t row = row0; row < row_end; row += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, row_end - row));
-          int64_t j = 0;
-          for (const int p : {4, 2, 1}) {
-            if (p > panels_for(rows)) continue;
-            const auto& fns = p == 4 ? t4 : p == 2 ? t2 : t1;
-            for (; j + p <= count; j += p) fns[rows - 1](pb, source<V>(pb, w, first, j, direct), row, first + j);
-          }
-        }
-      }
-    });
-  }
-}
-
-inline void run(const Problem& pb, int bits) {
-  if (bits == 8)
-    run_v<2>(pb);
-  else
-    run_v<1>(pb);
-}
+// The pair I (0..3) of line L's nibbles for channel dword d: u of inputs 8L + 2I and 8L + 2I + 1.
+inline uint32_t even_nibble(uint32_t d, int i) { return (d >> (4 * i)) & 15u; }
+inline uint32_t odd_nibble(uint32_t d, int i) { return (d >> (16 + 4 * i)) & 15u; }
 
 }  // namespace panel
-#endif
+}  // namespace
+
+#include "panel_bf16.h"
+#include "panel_f32.h"
+#include "panel_scalar.h"

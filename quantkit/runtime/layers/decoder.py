@@ -9,14 +9,15 @@ and mixed batches keep the Python layers.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch
-from quantkit.runtime.layers.linear import PACKED_MAX_ROWS, Linear
+from quantkit.runtime.layers.linear import F32_PANEL_MAX_ROWS, PACKED_MAX_ROWS, Linear
 
-MODES = {"int4": 0, "int8": 1, "dense": 2, "int4_panels": 3}
+MODES = {"int4": 0, "int8": 1, "dense": 2, "int4_panels": 3, "int8_panels": 3}
 
 
 class FusedDecoder:
@@ -33,8 +34,11 @@ class FusedDecoder:
         decoder = ops.Decoder(heads, kv_heads, head_dim, eps)
         for layer, group in zip(layers, linears):
             decoder.add_layer(*[_spec(ops, lin) for lin in group], layer.input_norm.weight, layer.post_norm.weight)
-        # int4 layers switch to a dense GEMM above PACKED_MAX_ROWS rows (linear.py): there the Python layers run
-        return cls(decoder, PACKED_MAX_ROWS if any(lin.mode == "int4" for g in linears for lin in g) else 1 << 30)
+        # int4 layers switch to a dense GEMM above PACKED_MAX_ROWS rows, float32 panels above F32_PANEL_MAX_ROWS
+        # (linear.py): there the Python layers run
+        modes = {lin.mode for g in linears for lin in g}
+        f32_panels = layers[0].qkv.dtype == torch.float32 and modes & {"int4_panels", "int8_panels"}
+        return cls(decoder, PACKED_MAX_ROWS if "int4" in modes else F32_PANEL_MAX_ROWS if f32_panels else 1 << 30)
 
     def runs(self, batch: Batch) -> bool:
         return batch.decodes is not None and not batch.seqs and len(batch.tokens) <= self.max_rows
@@ -48,7 +52,7 @@ class FusedDecoder:
 def _spec(ops, lin: Linear):
     if lin.mode == "int4":
         return ops.Linear(0, lin.packed, lin.scales_zeros, lin.group, lin.bias)
-    if lin.mode == "int4_panels":
+    if lin.mode in ("int4_panels", "int8_panels"):
         return ops.Linear(3, lin.packed, lin.params, lin.group, lin.bias)
     if lin.mode == "int8":
         return ops.Linear(1, lin.q8, lin.scale8, 0, lin.bias)

@@ -1,11 +1,11 @@
 """Linear layers over dense or compressed-tensors weights, repacked once at load for the chosen kernel.
 
 Kernels: "reference" dequantizes on every call (the oracle), "dense" dequantizes once at load (fast for
-large batches, no memory saving), "packed" keeps int4/int8 weights packed: for bf16 int4 and int8 with the
-fused CPU ops on AVX-512 BF16, quantkit's own panel GEMM (kernels/csrc/panel_gemm.h, ~2x PyTorch's int4 op at
-8-64 rows), else PyTorch's CPU integer matmuls where the shape allows, the reference otherwise; "triton"
-(GPU) keeps the checkpoint's int32 packing and dequantizes inside a Triton GEMM, switching to a dense copy above `TRITON_DENSE_ROWS` rows
-where the INT kernel loses to cuBLAS.
+large batches, no memory saving), "packed" keeps int4/int8 weights packed: with the fused CPU ops, quantkit's
+own panel GEMM (kernels/csrc/panel_gemm.h) for bf16 activations on AVX-512 BF16 and for float32 activations on
+every CPU (AVX2 + FMA or portable C++), else PyTorch's CPU integer matmuls where the shape allows, the reference
+otherwise; "triton" (GPU) keeps the checkpoint's int32 packing and dequantizes inside a Triton GEMM, switching
+to a dense copy above `TRITON_DENSE_ROWS` rows where the INT kernel loses to cuBLAS.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, bfloat16, nn
 
 from quantkit.formats.pack import pack_int4_panels, pack_int8_panels, pack_int32
 from quantkit.kernels import cpu, reference
@@ -24,6 +24,8 @@ KERNELS = ("packed", "dense", "reference", "triton")
 TRITON_DENSE_ROWS = 64  # above this many rows a per-call dequantised weight and cuBLAS beat the INT GEMM
 PACKED_MAX_ROWS = 32  # CPU: PyTorch's int4 kernel costs grow with rows; above this, dequantise per call and use a dense GEMM
 INT8_PACKED_MAX_ROWS = 128  # likewise for its int8 op: parity at ~128 rows, 3.9x slower than dequantise + GEMM at 2048
+KERNEL_GROUP = 128  # the longest group the panel GEMM sums in one accumulator (see Linear)
+F32_PANEL_MAX_ROWS = 32  # float32 panels: above this, the weight dequantised from its panels and oneDNN's sgemm
 
 
 @dataclass(slots=True)
@@ -69,10 +71,12 @@ class Linear(nn.Module):
         self.dtype = dtype
         self.bias = None if bias is None else bias.to(dtype)
         self.mode = "dense"
-        if isinstance(weight, Tensor) and head and fused and _panels_fit(weight.shape, weight.shape[1], dtype):
+        if (isinstance(weight, Tensor) and head and fused and bfloat16 in (dtype, weight.dtype)
+                and _panels_fit(weight.shape, weight.shape[1], dtype)):
+            # (float32 activations read the bf16 weight exactly; a float32 checkpoint's head would be rounded: not here)
             n, k = weight.shape
             self.mode = "bf16_panels"
-            self.panels = weight.to(dtype).view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()  # [n / 16, k / 2, 16, 2]
+            self.panels = weight.to(bfloat16).view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()  # [n / 16, k / 2, 16, 2]
             self.params = torch.stack([torch.ones(n // 16, 1, 16), torch.zeros(n // 16, 1, 16)])  # scale 1, zero 0
             return
         if isinstance(weight, Tensor):
@@ -85,7 +89,7 @@ class Linear(nn.Module):
             self.mode, self.qw = "triton", weight
             self.words = pack_int32(weight.q, weight.bits, dim=1)  # [out, in * bits / 32]
             self.scale_t = weight.scale.to(dtype).contiguous()
-        elif (kernel == "packed" and fused and (weight.bits == 4 or (weight.bits == 8 and head))
+        elif (kernel == "packed" and fused and (weight.bits == 4 or (weight.bits == 8 and (head or dtype == torch.float32)))
               and _panels_fit(weight.shape, weight.group_size or in_features, dtype)):
             self.mode, self.group = f"int{weight.bits}_panels", weight.group_size or in_features
             four = weight.bits == 4
@@ -94,6 +98,11 @@ class Linear(nn.Module):
             zero = torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float()
             offset = (136.0 if four else 2304.0) + zero  # see panel_gemm.h
             params = torch.stack([scale, offset])  # [2, out, groups]
+            if self.group > KERNEL_GROUP and self.group % KERNEL_GROUP == 0:
+                # the kernels sum x * (bias + u) per group: longer groups (per-channel scales) split into groups of
+                # KERNEL_GROUP with the scale repeated, so the sums stay short and the cancellation small
+                params = params.repeat_interleave(self.group // KERNEL_GROUP, dim=2)
+                self.group = KERNEL_GROUP
             self.params = params.view(2, out_features // 16, 16, -1).transpose(2, 3).contiguous()  # [2, out / 16, groups, 16]
         elif (kernel == "packed" and weight.bits == 4 and dtype != torch.float32
               and cpu.int4_supported(out_features, in_features, weight.group_size)):
@@ -110,7 +119,9 @@ class Linear(nn.Module):
             self.weight = weight.dequantize(dtype)
 
     def forward(self, x: Tensor) -> Tensor:  # x [t, in] -> [t, out]
-        if self.mode in ("int4_panels", "int8_panels"):
+        if self.mode in ("int4_panels", "int8_panels") and x.dtype == torch.float32 and x.shape[0] > F32_PANEL_MAX_ROWS:
+            y = x @ fused_kernels.ops().panel_dequant_t(self.packed, self.params, self.group)  # [in, out]
+        elif self.mode in ("int4_panels", "int8_panels"):
             y = fused_kernels.ops().panel_gemm(x, self.packed, self.params, self.group)
         elif self.mode == "bf16_panels":
             y = fused_kernels.ops().panel_gemm(x, self.panels, self.params, x.shape[1])
@@ -137,17 +148,17 @@ class Linear(nn.Module):
     def rows(self, ids: Tensor) -> Tensor:
         """Rows of a dense weight (a tied lm_head serving as the embedding): ids [T] -> [T, in]."""
         if self.mode == "bf16_panels":
-            return self.panels[ids // 16, :, ids % 16, :].reshape(len(ids), -1)
+            return self.panels[ids // 16, :, ids % 16, :].reshape(len(ids), -1).to(self.dtype)
         return self.weight[ids]
 
 
 def _panels_fit(shape: tuple[int, int], group: int, dtype: torch.dtype) -> bool:
-    """bf16 activations, 16-channel panels, groups of a multiple of 8 dividing the row (the kernel reads four pairs
-    of inputs a load), and a CPU with AVX-512 BF16."""
+    """Activations the built kernels take (float32 anywhere, bf16 on AVX-512 BF16), 16-channel panels, groups of a
+    multiple of 8 dividing the row (the kernel reads four pairs of inputs a load)."""
     out_features, in_features = shape
     ops = fused_kernels.ops()
-    return (dtype == torch.bfloat16 and out_features % 16 == 0 and group % 8 == 0 and in_features % group == 0
-            and ops is not None and ops.panel_gemm_available())
+    return (out_features % 16 == 0 and group % 8 == 0 and in_features % group == 0
+            and ops is not None and str(dtype).removeprefix("torch.") in ops.panel_dtypes())
 
 
 def to_device(module: nn.Module, device: str) -> None:

@@ -122,7 +122,9 @@ class LlamaModel(nn.Module):
         w = Weights(path)
         # the fused CPU ops serve the CPU kernels; "reference" stays pure PyTorch (the oracle), the GPU has Triton
         self.fused = fused and kernel in ("packed", "dense") and device == "cpu" and fused_kernels.ops() is not None
-        self.embed = w.tensor("model.embed_tokens.weight").to(dtype)
+        embed = w.tensor("model.embed_tokens.weight")
+        # float32 compute keeps a 16-bit embedding as stored (rows widen exactly on lookup): not a second, 2x copy
+        self.embed = embed if dtype == torch.float32 and embed.element_size() == 2 else embed.to(dtype)
         self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, dtype, kernel, self.fused) for i in range(cfg.num_layers))
         self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype, self.fused)
         head = w.get("lm_head.weight")
@@ -148,7 +150,7 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def forward(self, batch: Batch, cache: KVCache) -> Tensor:
         """-> float32 logits [S, vocab] at `batch.logits_index`."""
-        x = self.embed[batch.tokens] if self.embed is not None else self.lm_head.rows(batch.tokens)  # [T, hidden]
+        x = self.embed[batch.tokens].to(self.dtype) if self.embed is not None else self.lm_head.rows(batch.tokens)  # [T, hidden]
         cos, sin = self.rotary(batch.positions)
         if self.decoder is not None and self.decoder.runs(batch):
             x = self.decoder(x, cos, sin, batch, cache)
