@@ -458,7 +458,7 @@ std::vector<float> group_sums(const X* x, int64_t rows, int64_t group) {  // flo
 // x [M, K] (bfloat16 where supported, float32) -> [M, N] in x's dtype, with w either int4 panels uint8 [N/16, K/8, 64]
 // (int8: [N/16, K/8, 128]) and params f32 [2, N/16, K/group, 16] (scales, then 136 + zero points for int4, 2304 + zero
 // points for int8), or bf16 panels [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
-at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
+at::Tensor panel_gemm_impl(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group, bool portable) {
   TORCH_CHECK(x_.dim() == 2 && panel_gemm_supports(x_.scalar_type()), "panel_gemm: x must be 2-D float32 (or bfloat16 on AVX-512 BF16)");
   const bool dense = w.scalar_type() == at::kBFloat16;
   const at::Tensor x = x_.contiguous();
@@ -478,10 +478,12 @@ at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tenso
     const std::vector<float> xsum = group_sums(xp, m * groups, group);
     const panel::Problem<float> pb{xp, packed, dw, xsum.data(), pp, pp + plane, y.data_ptr<float>(), m, k, y.size(1), groups, group};
 #ifdef QUANTKIT_VEC
-    panel::f32::run(pb, bits);
-#else
-    panel::scalar::run(pb, bits);
+    if (!portable) {
+      panel::f32::run(pb, bits);
+      return y;
+    }
 #endif
+    panel::scalar::run(pb, bits);
     return y;
   }
 #if defined(__AVX512BF16__)
@@ -491,6 +493,10 @@ at::Tensor panel_gemm(const at::Tensor& x_, const at::Tensor& w, const at::Tenso
                     y.size(1), groups, group}, bits);
 #endif
   return y;
+}
+
+at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params, int64_t group) {
+  return panel_gemm_impl(x, w, params, group, false);
 }
 
 // int4 or int8 panels and their params -> the dense weight transposed, [K, N] float32 (see panel_f32.h).
@@ -511,19 +517,9 @@ at::Tensor panel_dequant_t(const at::Tensor& w, const at::Tensor& params, int64_
 }
 
 // The portable loops on any build, whatever the vector path: the tests check each against the reference.
-at::Tensor panel_gemm_scalar(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group) {
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "panel_gemm_scalar: x must be 2-D float32");
-  const bool dense = w.scalar_type() == at::kBFloat16;
-  const at::Tensor x = x_.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
-  const int bits = dense ? 16 : w.size(2) == 8 * panel::kPanel ? 8 : 4;
-  at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());
-  const float* pp = params.data_ptr<float>();
-  const std::vector<float> xsum = group_sums(x.data_ptr<float>(), m * groups, group);
-  panel::scalar::run({x.data_ptr<float>(), dense ? nullptr : w.data_ptr<uint8_t>(),
-                      dense ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr, xsum.data(), pp,
-                      pp + params.numel() / 2, y.data_ptr<float>(), m, k, y.size(1), groups, group}, bits);
-  return y;
+at::Tensor panel_gemm_scalar(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params, int64_t group) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_gemm_scalar: x must be float32");
+  return panel_gemm_impl(x, w, params, group, true);
 }
 
 // --- the whole decode step's layer loop --------------------------------------------------------------------
