@@ -67,7 +67,7 @@ def main() -> None:
     for _ in range(LAYERS):
         for n, k in SHAPES:
             q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
-            weights.append(QuantWeight(q, torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-3, None, 4, GROUP))
+            weights.append(QuantWeight.of(q, torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-3, None, 4, GROUP))
     panels = [linear(w, True) for w in weights]
     int4 = [linear(w, False) for w in weights]
     dense = [w.dequantize(torch.bfloat16) for w in weights]

@@ -215,15 +215,33 @@ def release_layer(layer: torch.nn.Module) -> None:
     layer.to("meta")
 
 
+# tokenizer_config classes that are their tokenizer.json read as is: for these, transformers' generic fast
+# tokenizer is AutoTokenizer's tokenizer (tests/test_runtime.py checks it on the built-in models) without
+# AutoTokenizer's seconds of importing model configs
+PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast",
+                    "Qwen2Tokenizer", "Qwen2TokenizerFast")
+
+
+def open_tokenizer(path: Path):
+    """The directory's tokenizer, as AutoTokenizer loads it (raises when there is none)."""
+    config = path / "tokenizer_config.json"
+    cls = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
+    with _quiet_transformers():
+        if cls in PLAIN_TOKENIZERS and (path / "tokenizer.json").exists():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+
+
 def load_tokenizer(path: Path):
     """The tokenizer, or None when the directory has none (tiny test models)."""
-    from transformers import AutoTokenizer
-
-    with _quiet_transformers():
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except Exception:
-            return None
+    try:
+        return open_tokenizer(path)
+    except Exception:
+        return None
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -43,7 +43,7 @@ def test_int8_linear_agrees_across_the_prefill_threshold(dtype):
     gen = torch.Generator().manual_seed(4)
     q = torch.randint(-127, 128, (64, 96), generator=gen, dtype=torch.int8)
     scale = torch.rand(64, 1, generator=gen) * 0.01
-    layer = Linear(QuantWeight(q, scale, None, 8, None), None, dtype)
+    layer = Linear(QuantWeight.of(q, scale, None, 8, None), None, dtype)
     assert layer.mode == "int8"
     x = torch.randn(INT8_PACKED_MAX_ROWS + 8, 96, generator=gen).to(dtype)
     want = reference.dequant_linear(x.float(), q, scale, None)
@@ -164,7 +164,7 @@ def test_panel_gemm_matches_reference_and_is_batch_invariant(isa, bits, group, s
         zp = None if zp is None else torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
         scale = scale / 16
     head = bits == 8 and dtype == torch.bfloat16  # bf16: int8 panels for the head only
-    lin = Linear(QuantWeight(q, scale, zp, bits, group), None, dtype, "packed", fused=True, head=head)
+    lin = Linear(QuantWeight.of(q, scale, zp, bits, group), None, dtype, "packed", fused=True, head=head)
     assert lin.mode == f"int{bits}_panels"
     x = torch.randn(100, 1536, generator=gen).to(dtype)
     w = dequantize(q, scale, zp).double()  # exact: (q - zp) * scale in float32
@@ -219,7 +219,7 @@ def test_panel_dequant_equals_the_reference_weight(isa, bits):
     if bits == 8:
         q = torch.randint(-128, 128, q.shape, generator=gen, dtype=torch.int8)
         zp = torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
-    lin = Linear(QuantWeight(q, scale, zp, bits, 64), None, torch.float32, "packed", fused=True)
+    lin = Linear(QuantWeight.of(q, scale, zp, bits, 64), None, torch.float32, "packed", fused=True)
     assert torch.equal(fused_ops(isa).panel_dequant_t(lin.packed, lin.params, 64).T, dequantize(q, scale, zp))
 
 

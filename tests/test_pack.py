@@ -47,3 +47,12 @@ def test_element_zero_sits_in_the_lowest_bits():
 def test_unsupported_width_is_refused():
     with pytest.raises(ValueError):
         pack_int32(torch.zeros(2, 8, dtype=torch.int8), 3)
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (48, 64), (32, 576)])
+def test_int4_panels_from_the_checkpoints_words_equal_packing_the_values(shape):
+    from quantkit.formats.pack import int4_panels_from_words, pack_int4_panels
+
+    q = random_ints(4, shape, seed=3)
+    q[0, :8] = torch.tensor([-8, 7, -1, 0, 7, -8, 3, -4])  # extremes in every nibble, the sign bit set
+    assert torch.equal(int4_panels_from_words(pack_int32(q, 4, dim=1)), pack_int4_panels(q))

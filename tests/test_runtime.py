@@ -285,3 +285,60 @@ def test_without_a_compiler_the_engine_says_so_once_and_decodes(tiny_dir, hf_ref
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("fused CPU kernels unavailable") == 1 and "no C++ compiler" in r.stderr
     assert r.stdout.strip() == str(hf_reference[0])
+
+
+@pytest.mark.parametrize("layout", ["transformers5", "older", "llama3"])
+def test_rotary_equals_hf_for_both_config_layouts_and_scaled_ropes(tmp_path, layout):
+    """The plain rope is computed without HF's rotary class (its import is seconds of start-up): it must be
+    bit-identical to it, from either config.json layout; a scaled rope goes through HF's class."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from quantkit.runtime.layers.basic import Rotary
+
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+          "num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 32, "max_position_embeddings": 8192}
+    if layout == "transformers5":
+        hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 100000.0}
+    elif layout == "older":
+        hf |= {"rope_theta": 500000.0, "rope_scaling": None}
+    else:
+        hf |= {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    positions = torch.tensor([0, 1, 7, 300, 4000, 8191])
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = Rotary(tmp_path, hf, dtype, "cpu")
+        assert (ours.rope is not None) == (layout == "llama3")
+        theirs = LlamaRotaryEmbedding(LlamaConfig.from_pretrained(tmp_path))
+        want = theirs(torch.empty(0, dtype=dtype), positions.unsqueeze(0))
+        for got, ref in zip(ours(positions), want):
+            assert got.dtype == dtype and torch.equal(got, ref[0])
+
+
+@pytest.mark.parametrize("which", ["smollm2_dir", "qwen05_dir"])
+def test_the_quick_tokenizer_is_autotokenizers(request, which):
+    """The runtime loads tokenizer.json through the generic fast tokenizer (seconds faster to start): on the
+    built-in models it must encode, decode and render chat templates (tools included) exactly as AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from quantkit.models import open_tokenizer
+
+    path = request.getfixturevalue(which)
+    ours, auto = open_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert type(ours) is not type(auto) or type(auto).__name__ == "TokenizersBackend"
+    texts = ["Hello world", "  def f(x):\n\treturn x**2  # ünïcödé 日本語 🙂", "<|im_start|>user\nhi<|im_end|>", "7 " * 40]
+    for text in texts:
+        for special in (False, True):
+            ids = auto(text, add_special_tokens=special)["input_ids"]
+            assert ours(text, add_special_tokens=special)["input_ids"] == ids
+            assert ours.decode(ids) == auto.decode(ids)
+            assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    for kw in ({}, {"tools": tools}):
+        assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+                == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw))
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "all_special_ids", "eos_token"):
+        assert getattr(ours, attr) == getattr(auto, attr), attr

@@ -80,13 +80,19 @@ def _target_matches(module: str, target: str) -> bool:
     return target == "Linear" or target == module  # only Linear weights are ever packed
 
 
-def unpacked_module(tensors: dict[str, Tensor], module: str, scheme: Scheme) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(q int8 [out, in], scale [out, groups], zero_point int8 [out, groups] or None) of a packed module."""
+def packed_module(tensors: dict[str, Tensor], module: str, scheme: Scheme) -> tuple[Tensor, int, Tensor, Tensor | None]:
+    """(words int32 [out, in * bits / 32] as stored, in_features, scale [out, groups], zero_point int8 [out, groups]
+    or None) of a packed module."""
     out_features, in_features = (int(x) for x in tensors[f"{module}.weight_shape"])
-    q = unpack_int32(tensors[module + PACKED], scheme.bits, in_features, dim=1)
     zp_packed = tensors.get(f"{module}.weight_zero_point")
     zp = None if zp_packed is None else unpack_int32(zp_packed, scheme.bits, out_features, dim=0)
-    return q, tensors[f"{module}.weight_scale"], zp
+    return tensors[module + PACKED], in_features, tensors[f"{module}.weight_scale"], zp
+
+
+def unpacked_module(tensors: dict[str, Tensor], module: str, scheme: Scheme) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(q int8 [out, in], scale [out, groups], zero_point int8 [out, groups] or None) of a packed module."""
+    words, in_features, scale, zp = packed_module(tensors, module, scheme)
+    return unpack_int32(words, scheme.bits, in_features, dim=1), scale, zp
 
 
 def dequantize_module(tensors: dict[str, Tensor], module: str, scheme: Scheme, dtype: torch.dtype | None = None) -> Tensor:

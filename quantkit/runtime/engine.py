@@ -337,12 +337,9 @@ def _default_budget(spec: CacheSpec, cfg: EngineConfig, context: int) -> int:
 
 
 def _tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    from quantkit.models import open_tokenizer
 
-    from quantkit.models import _quiet_transformers
-
-    with _quiet_transformers():
-        return AutoTokenizer.from_pretrained(path)
+    return open_tokenizer(path)
 
 
 def _eos_ids(path: Path, tokenizer) -> set[int]:

@@ -7,6 +7,8 @@ that fit is known, and reported, before the first request.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +38,8 @@ class KVCache:
                  scales: list[tuple[Tensor, Tensor]] | None = None):
         self.spec, self.num_blocks, self.compute_dtype = spec, num_blocks, compute_dtype
         shape = (num_blocks, spec.block_size, spec.kv_heads, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.k = [_zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
+        self.v = [_zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
         self.fp8 = spec.dtype == torch.float8_e4m3fn
         self.scales = scales  # per layer (k_scale, v_scale), float32, broadcastable to [.., kv_heads, head_dim]
         ones = torch.ones(spec.kv_heads, device=device)
@@ -78,3 +80,14 @@ class KVCache:
     def _scales(self, layer: int) -> tuple[Tensor, Tensor]:
         ks, vs = self.scales[layer]
         return ks.reshape(-1, 1) if ks.numel() > 1 else ks, vs.reshape(-1, 1) if vs.numel() > 1 else vs
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Tensor:
+    """Zeros that cost nothing until written. On CPU an anonymous mapping: the OS hands out zeroed pages as they
+    are first touched, so a cache sized for the whole budget neither spends seconds clearing gigabytes at start
+    nor holds memory its sequences have not reached. (torch.zeros writes every byte up front.)"""
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(count, 1))  # the tensor holds a reference: the mapping lives as long as it
+    return torch.frombuffer(buf, dtype=torch.uint8, count=count).view(dtype).view(shape)

@@ -3,6 +3,8 @@ outputs can match token for token). With `fused` each is one call into kernels.f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 
@@ -30,19 +32,41 @@ class RMSNorm(nn.Module):
 
 
 class Rotary:
-    """cos/sin per position from HF's own rotary class, so every rope variant (Llama 3 scaling, YaRN, ...)
-    comes out exactly as HF computes it."""
+    """cos/sin per position, as HF computes them (so every rope variant comes out exactly as HF's). The plain
+    rope (theta only: SmolLM2, Qwen2.5) is computed here from config.json with HF's own formula; scaled variants
+    (Llama 3, YaRN, dynamic, ...) use HF's rotary class, whose import costs a second or two of start-up."""
 
-    def __init__(self, hf_config, dtype: torch.dtype, device: str):
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    def __init__(self, path: Path, hf: dict, dtype: torch.dtype, device: str):
+        self.dtype, self.scaling, self.rope = dtype, 1.0, None
+        params = rope_parameters(hf)
+        if params.get("rope_type", "default") == "default":
+            dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * hf.get("partial_rotary_factor", 1.0))
+            self.inv_freq = 1.0 / (params.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.inv_freq = self.inv_freq.to(device)  # [dim / 2]
+        else:
+            from transformers import AutoConfig
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        self.rope = LlamaRotaryEmbedding(config=hf_config).to(device)
-        self.dtype = dtype
+            self.rope = LlamaRotaryEmbedding(config=AutoConfig.from_pretrained(path)).to(device)
 
     def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [T] -> cos, sin [T, head_dim]
-        probe = torch.empty(0, dtype=self.dtype, device=positions.device)
-        cos, sin = self.rope(probe, positions.unsqueeze(0))
-        return cos[0].contiguous(), sin[0].contiguous()
+        if self.rope is not None:
+            probe = torch.empty(0, dtype=self.dtype, device=positions.device)
+            cos, sin = self.rope(probe, positions.unsqueeze(0))
+            return cos[0].contiguous(), sin[0].contiguous()
+        freqs = positions[:, None].float() * self.inv_freq  # [T, dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+
+def rope_parameters(hf: dict) -> dict:
+    """rope_type / rope_theta / scaling from a config.json of either layout: transformers 5's `rope_parameters`,
+    or the older top-level `rope_theta` with `rope_scaling`."""
+    if hf.get("rope_parameters"):
+        return dict(hf["rope_parameters"])
+    scaling = dict(hf.get("rope_scaling") or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {**scaling, "rope_theta": hf.get("rope_theta", 10000.0)}
 
 
 def rotate_heads(x: Tensor, heads: int, cos: Tensor, sin: Tensor, fused: bool) -> Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, bfloat16, nn
 
-from quantkit.formats.pack import pack_int4_panels, pack_int8_panels, pack_int32
+from quantkit.formats.pack import int4_panels_from_words, pack_int8_panels, pack_int32, unpack_int32
 from quantkit.kernels import cpu, reference
 from quantkit.kernels import fused as fused_kernels
 from quantkit.quant.qparams import dequantize
@@ -30,17 +30,32 @@ F32_PANEL_MAX_ROWS = 32  # float32 panels: above this, the weight dequantised fr
 
 @dataclass(slots=True)
 class QuantWeight:
-    """A quantized weight in the checkpoint's generic layout (unpacked from int32 words)."""
+    """A quantized weight as the checkpoint holds it: compressed-tensors int32 words, unpacked to int8 values only
+    when a kernel asks for them (the panel GEMM and Triton read the words directly, so loading a model never
+    spends seconds on int8 copies they would not use)."""
 
-    q: Tensor  # int8 [out, in], signed
+    words: Tensor  # int32 [out, in * bits / 32], packed along the input dim (formats/pack.py)
+    in_features: int
     scale: Tensor  # [out, groups]
     zero_point: Tensor | None  # int8 [out, groups]
     bits: int
     group_size: int | None
+    unpacked: Tensor | None = None  # int8 [out, in], once asked for
+
+    @classmethod
+    def of(cls, q: Tensor, scale: Tensor, zero_point: Tensor | None, bits: int, group_size: int | None) -> QuantWeight:
+        """From signed int8 values [out, in]."""
+        return cls(pack_int32(q, bits, dim=1), q.shape[1], scale, zero_point, bits, group_size, q)
+
+    @property
+    def q(self) -> Tensor:  # int8 [out, in], signed
+        if self.unpacked is None:
+            self.unpacked = unpack_int32(self.words, self.bits, self.in_features)
+        return self.unpacked
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        return self.words.shape[0], self.in_features
 
     def dequantize(self, dtype: torch.dtype) -> Tensor:
         return dequantize(self.q, self.scale, self.zero_point).to(dtype).contiguous()
@@ -54,7 +69,7 @@ def fuse(weights: list[Tensor | QuantWeight]) -> Tensor | QuantWeight:
         dense = [w.dequantize(torch.float32) if isinstance(w, QuantWeight) else w.float() for w in weights]
         return torch.cat(dense, dim=0)
     zps = [w.zero_point for w in weights]
-    return QuantWeight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]),
+    return QuantWeight(torch.cat([w.words for w in weights]), weights[0].in_features, torch.cat([w.scale for w in weights]),
                        None if any(z is None for z in zps) else torch.cat(zps), weights[0].bits, weights[0].group_size)
 
 
@@ -87,13 +102,13 @@ class Linear(nn.Module):
             self.mode, self.qw = "reference", weight
         elif kernel == "triton":
             self.mode, self.qw = "triton", weight
-            self.words = pack_int32(weight.q, weight.bits, dim=1)  # [out, in * bits / 32]
+            self.words = weight.words  # [out, in * bits / 32]
             self.scale_t = weight.scale.to(dtype).contiguous()
         elif (kernel == "packed" and fused and (weight.bits == 4 or (weight.bits == 8 and (head or dtype == torch.float32)))
               and _panels_fit(weight.shape, weight.group_size or in_features, dtype)):
             self.mode, self.group = f"int{weight.bits}_panels", weight.group_size or in_features
             four = weight.bits == 4
-            self.packed = pack_int4_panels(weight.q) if four else pack_int8_panels(weight.q)  # [out / 16, in / 8, 64 or 128]
+            self.packed = int4_panels_from_words(weight.words) if four else pack_int8_panels(weight.q)  # [out / 16, in / 8, 64 or 128]
             scale = weight.scale.float()  # [out, groups]
             zero = torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float()
             offset = (136.0 if four else 2304.0) + zero  # see panel_gemm.h
@@ -112,7 +127,7 @@ class Linear(nn.Module):
             self.packed, self.scales_zeros, self.group = cpu.repack_int4(weight.q, weight.scale, weight.zero_point,
                                                                          weight.group_size, dtype)
             # for prefill-sized batches (see PACKED_MAX_ROWS): the checkpoint's own 4-bit packing, unpacked per call
-            self.words, self.scale_t, self.zero_point = pack_int32(weight.q, 4, dim=1), weight.scale.to(dtype), weight.zero_point
+            self.words, self.scale_t, self.zero_point = weight.words, weight.scale.to(dtype), weight.zero_point
         elif kernel == "packed" and weight.bits == 8 and cpu.int8_supported(weight.group_size, weight.zero_point is None):
             self.mode, self.q8, self.scale8 = "int8", weight.q.contiguous(), weight.scale[:, 0].to(dtype).contiguous()
         else:
@@ -169,4 +184,5 @@ def to_device(module: nn.Module, device: str) -> None:
                 setattr(m, name, value.to(device))
             elif isinstance(value, QuantWeight):
                 zp = None if value.zero_point is None else value.zero_point.to(device)
-                setattr(m, name, QuantWeight(value.q.to(device), value.scale.to(device), zp, value.bits, value.group_size))
+                setattr(m, name, QuantWeight(value.words.to(device), value.in_features, value.scale.to(device), zp, value.bits,
+                                             value.group_size))

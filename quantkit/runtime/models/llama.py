@@ -16,10 +16,10 @@ from torch import Tensor, nn
 from quantkit import QuantkitError
 from quantkit.formats.load import (
     PACKED,
+    packed_module,
     quant_config_of,
     read_tensors,
     scheme_for,
-    unpacked_module,
 )
 from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.kv_cache import KVCache
@@ -61,8 +61,8 @@ class Weights:
     def linear(self, module: str) -> Tensor | QuantWeight:
         if module + PACKED in self.tensors:
             scheme = scheme_for(module, self.quant_config)
-            q, scale, zp = unpacked_module(self.tensors, module, scheme)
-            return QuantWeight(q, scale, zp, scheme.bits, scheme.group_size)
+            words, in_features, scale, zp = packed_module(self.tensors, module, scheme)
+            return QuantWeight(words, in_features, scale, zp, scheme.bits, scheme.group_size)
         return self.tensor(f"{module}.weight")
 
     def tensor(self, name: str) -> Tensor:
@@ -112,8 +112,6 @@ class LlamaModel(nn.Module):
     def __init__(self, path: Path, dtype: torch.dtype, kernel: str = "packed", device: str = "cpu", lm_head: str = "auto",
                  fused: bool = True):
         super().__init__()
-        from transformers import AutoConfig
-
         hf = json.loads((path / "config.json").read_text())
         if not set(hf.get("architectures") or []) & set(ARCHITECTURES):
             raise QuantkitError(f"the runtime runs the Llama family ({', '.join(ARCHITECTURES)}); {path} is {hf.get('architectures')}")
@@ -133,7 +131,7 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel, self.fused, head=True)
         if tied and self.lm_head.mode == "bf16_panels":  # the embedding reads its rows from the head's panels: one copy
             self.embed = None
-        self.rotary = Rotary(AutoConfig.from_pretrained(path), dtype, device)
+        self.rotary = Rotary(path, hf, dtype, device)
         self.kv_scales = self._kv_scales(w)
         self.decoder = (FusedDecoder.build(self.layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
                         if self.fused else None)
@@ -168,4 +166,4 @@ def _int8_rows(w: Tensor) -> QuantWeight:
     from quantkit.quant.rtn import rtn
 
     qw = rtn(w.float(), Scheme(bits=8, group_size=None, symmetric=True), torch.float32)
-    return QuantWeight(qw.q, qw.scale, None, 8, None)
+    return QuantWeight.of(qw.q, qw.scale, None, 8, None)
