@@ -25,7 +25,7 @@ def first_answer(model: str, port: int, timeout: float) -> tuple[float, str]:
     """-> (seconds from launch to the first completion, the server's "ready in" line)."""
     cmd = [sys.executable, "-m", "quantkit", "serve", model, "--port", str(port)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "400"})
     body = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
     try:
         while True:

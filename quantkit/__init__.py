@@ -1,6 +1,23 @@
 """quantkit: quantize LLMs to compressed-tensors checkpoints, measure the cost, serve them."""
 
+import time
+
 __version__ = "0.1.0"
+_IMPORTED = time.monotonic()
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (from /proc on Linux; elsewhere since quantkit was imported), for the
+    "ready in N s" lines that measure start-up as a user sees it."""
+    try:
+        import os
+
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
 
 
 class QuantkitError(Exception):

@@ -393,7 +393,9 @@ def bench(
         engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
                                               max_num_batched_tokens=max(2048, input_len), lm_head=lm_head))
         ui.note(engine.describe())
-        run_engine(engine, Workload(1, 8, 2), [prompts_for(engine.tokenizer, w)[0][:8]])  # warm-up
+        engine.warm_up()
+        load = {k: round(v, 3) for k, v in engine.timings.items()}
+        ui.note(f"loaded in {sum(engine.timings.values()):.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in load.items()) + ")")
         runs: dict[str, list] = {}
         for rep in range(repeats):
             prompts = prompts_for(engine.tokenizer, dataclasses.replace(w, seed=w.seed + rep))  # the same ids for every system
@@ -408,7 +410,8 @@ def bench(
         results += [median_run(r) for r in runs.values()]
         kv = kv_tokens_per_gib(engine)
     if as_json:
-        print(json.dumps({"model": offline, "repeats": repeats, "kv_tokens_per_gib": kv, "results": [r.to_dict() for r in results]}, indent=2))
+        print(json.dumps({"model": offline, "repeats": repeats, "load_s": load, "kv_tokens_per_gib": kv,
+                          "results": [r.to_dict() for r in results]}, indent=2))
         return
     if quiet:
         return

@@ -176,6 +176,7 @@ def test_bench_offline_cli(tiny_dir, capsys):
                                 "--output-len", "4", "--hf", "--repeats", "2", "--json")
     assert code == 0, err
     assert json.loads(stdout)["repeats"] == 2
+    assert set(json.loads(stdout)["load_s"]) == {"kernels", "load", "repack", "warm-up"}
     rows = json.loads(stdout)["results"]  # the median of the two runs per system and batch size
     assert [(r["system"], r["batch"]) for r in rows] == [("quantkit", 1), ("hf generate", 1), ("quantkit", 3), ("hf generate", 3)]
     assert all(r["output_tok_s"] > 0 and r["ttft_s"] > 0 for r in rows)

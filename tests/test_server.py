@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -223,6 +224,12 @@ def test_backpressure_and_graceful_shutdown(smollm2_w4):
     assert code == 0
     assert len(results) == 2
     assert all(r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length" for r in results.values())
+    said = " ".join((server.proc.stdout.read() + server.proc.stderr.read()).split())
+    split = re.search(r"ready in ([\d.]+) s \(import ([\d.]+), kernels ([\d.]+), load ([\d.]+), repack ([\d.]+), "
+                      r"warm-up ([\d.]+), listen ([\d.]+)\)", said)
+    assert split, said  # start-up as a user waits for it, split into its phases (which add up, to rounding)
+    total, *parts = (float(x) for x in split.groups())
+    assert abs(total - sum(parts)) <= 0.35
 
 
 def test_bench_url_sweep_against_the_server(smollm2_server, smollm2_w4, tmp_path, capsys):

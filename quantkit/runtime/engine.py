@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,9 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, path: str | Path, cfg: EngineConfig | None = None, tokenizer=None):
+        from quantkit import process_seconds
+
+        self.began = process_seconds()  # the process's age when the engine began: imports, argument handling
         self.cfg = cfg = cfg or EngineConfig()
         if cfg.device == "auto":
             cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,6 +83,7 @@ class LLMEngine:
             raise QuantkitError(f"lm_head {cfg.lm_head}: use auto or int8")
         self.model = LlamaModel(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
         m = self.model.cfg
+        t0 = time.perf_counter()
         self.tokenizer = tokenizer if tokenizer is not None else _tokenizer(self.path)
         self.eos = _eos_ids(self.path, self.tokenizer)
         self.context_length = m.max_position
@@ -88,6 +93,8 @@ class LLMEngine:
         if blocks < 2:
             raise QuantkitError(f"KV-cache budget too small: one block of {cfg.block_size} tokens needs {spec.bytes_per_block} bytes")
         self.cache = KVCache(spec, blocks, self.dtype, cfg.device, scales)
+        self.timings = dict(self.model.timings)  # seconds: kernels, load (checkpoint, tokenizer, KV cache), repack
+        self.timings["load"] += time.perf_counter() - t0
         self.blocks = BlockManager(blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.blocks)
         self.seqs: dict[str, Sequence] = {}
@@ -95,6 +102,29 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pieces: dict[int, str] = {}
         logging.getLogger("quantkit.runtime").info(self.describe())
+
+    def warm_up(self) -> float:
+        """Run one tiny request through prefill and decode and forget it, so the first real request does not pay
+        for the kernels' first calls (thread pools, oneDNN primitives); -> seconds, also kept in `timings`."""
+        if self.seqs:
+            raise QuantkitError("warm_up runs before the first request")
+        t0 = time.perf_counter()
+        self.add_request([0] * min(8, self.max_len - 2), SamplingParams(max_tokens=2, ignore_eos=True), "quantkit-warm-up")
+        while self.has_unfinished():
+            self.step()
+        self.steps = 0
+        self.timings["warm-up"] = time.perf_counter() - t0
+        return self.timings["warm-up"]
+
+    def startup(self, then: str = "other") -> str:
+        """"ready in N s (import .., kernels .., load .., repack .., warm-up .., `then` ..)": the seconds since the
+        process started, split; `then` names whatever ran after the engine (a server starting to listen)."""
+        from quantkit import process_seconds
+
+        total = process_seconds()
+        parts = {"import": self.began, **self.timings}
+        parts[then] = max(total - sum(parts.values()), 0.0)
+        return f"ready in {total:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + ")"
 
     @property
     def max_len(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 from quantkit.runtime.engine import EngineConfig, LLMEngine
@@ -21,7 +22,9 @@ def serve(path: Path, engine_cfg: EngineConfig, cfg: ServerConfig, host: str = "
           drain_seconds: int = 30, announce=print) -> None:
     import uvicorn
 
-    engine = AsyncEngine(LLMEngine(path, engine_cfg), cfg.max_waiting)
+    llm = LLMEngine(path, engine_cfg)
+    llm.warm_up()
+    engine = AsyncEngine(llm, cfg.max_waiting)
     config = uvicorn.Config(build_app(engine, cfg), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=drain_seconds, access_log=False)
     server = uvicorn.Server(config)
@@ -40,7 +43,11 @@ def serve(path: Path, engine_cfg: EngineConfig, cfg: ServerConfig, host: str = "
         signal.signal(sig, stop)
     thread = threading.Thread(target=http, name="quantkit-http", daemon=True)
     thread.start()
-    announce(engine.engine.describe())
-    announce(f"serving {cfg.served_model_name} at http://{host}:{port}/v1" + (" (API key required)" if cfg.api_key else ""))
+    announce(llm.describe())
+    while not server.started and thread.is_alive():  # "ready" once it listens (a port in use ends the thread)
+        time.sleep(0.01)
+    if server.started:
+        announce(f"serving {cfg.served_model_name} at http://{host}:{port}/v1" + (" (API key required)" if cfg.api_key else ""))
+        announce(llm.startup(then="listen"))
     engine.run_forever()
     thread.join(5)

@@ -7,6 +7,7 @@ Linear each at load (one matmul instead of three or two: at batch 1 on CPU each 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,9 +118,12 @@ class LlamaModel(nn.Module):
             raise QuantkitError(f"the runtime runs the Llama family ({', '.join(ARCHITECTURES)}); {path} is {hf.get('architectures')}")
         self.cfg = cfg = ModelConfig.from_hf(hf)
         self.dtype = dtype
-        w = Weights(path)
+        t0 = time.perf_counter()
         # the fused CPU ops serve the CPU kernels; "reference" stays pure PyTorch (the oracle), the GPU has Triton
         self.fused = fused and kernel in ("packed", "dense") and device == "cpu" and fused_kernels.ops() is not None
+        t1 = time.perf_counter()
+        w = Weights(path)
+        t2 = time.perf_counter()
         embed = w.tensor("model.embed_tokens.weight")
         # float32 compute keeps a 16-bit embedding as stored (rows widen exactly on lookup): not a second, 2x copy
         self.embed = embed if dtype == torch.float32 and embed.element_size() == 2 else embed.to(dtype)
@@ -138,6 +142,8 @@ class LlamaModel(nn.Module):
         if device != "cpu":
             to_device(self, device)
             self.kv_scales = None if self.kv_scales is None else [(k.to(device), v.to(device)) for k, v in self.kv_scales]
+        # start-up split, seconds: loading the kernels, reading the checkpoint, laying weights out for the kernels
+        self.timings = {"kernels": t1 - t0, "load": t2 - t1, "repack": time.perf_counter() - t2}
 
     def _kv_scales(self, w: Weights) -> list[tuple[Tensor, Tensor]] | None:
         names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(self.cfg.num_layers)]
