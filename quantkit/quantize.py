@@ -99,9 +99,16 @@ def pick_device(device: str) -> str:
 
 
 def compute_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
-    """Layers run in the checkpoint's dtype where that is fast (bf16 on CPUs, any 16-bit type on CUDA);
-    fp16 on a CPU runs in float32, as CPUs have no fast fp16 GEMM. Hessians always accumulate in float32."""
-    return dtype if device == "cuda" or dtype == torch.bfloat16 else torch.float32
+    """The dtype the calibration forwards and the Hessians' partial products run in, chosen for the machine as
+    the runtime chooses its activations: the checkpoint's 16-bit dtype on CUDA; bf16 on a CPU only where it has
+    native bf16 dot products (AVX512_BF16 or AMX: there bf16 GEMMs are ~2.5x float32's); float32 elsewhere,
+    where bf16 GEMMs are emulated and slower than float32 (and fp16 always, CPUs having no fast fp16 GEMM).
+    Hessians always accumulate in float32."""
+    from quantkit.kernels.fused import native_bf16
+
+    if device == "cuda" or (dtype == torch.bfloat16 and native_bf16()):
+        return dtype
+    return torch.float32
 
 
 def dense_ignore(model: nn.Module, patterns: list[str], quantized: set[str]) -> list[str]:
@@ -190,8 +197,9 @@ def run_quantize(
         from quantkit.formats.bnb import run_bnb
 
         return run_bnb(resolved, out, recipe, force, ui)
+    forward = compute_dtype(dtype, device)
     with ui.step(f"reading {spec}"):
-        model = skeleton(resolved.path, compute_dtype(dtype, device), device)
+        model = skeleton(resolved.path, forward, device)
         source = SafetensorsSource(resolved.path)
         tokenizer = load_tokenizer(resolved.path)
     if tokenizer is None:
@@ -202,6 +210,9 @@ def run_quantize(
         notes.append(note)
         ui.note(note)
     batches, calibration = calibration_batches(model, layers, recipe, calib, tokenizer, device, notes, ui)
+    if batches is not None and forward != dtype:  # say what the layer walk computes in, and why
+        calibration += (f", {str(forward).removeprefix('torch.')} forwards ("
+                        + ("no native bf16 dot products on this CPU" if dtype == torch.bfloat16 else "no fast fp16 GEMM on CPUs") + ")")
     timings["load"] = round(time.perf_counter() - start, 3)
 
     start = time.perf_counter()

@@ -141,6 +141,19 @@ def test_every_runnable_build_reports_its_instruction_set():
         assert ("bfloat16" in m.panel_dtypes()) == (m.isa() == "avx512-bf16")
 
 
+def test_the_panel_dtypes_predicted_before_a_build_are_the_builds(monkeypatch):
+    """Weights are laid out while the kernels compile, from a prediction of what the build will take: it must be
+    the built module's own answer, on every build this CPU runs."""
+    from quantkit.kernels import fused
+
+    for level in _levels():
+        monkeypatch.setenv("QUANTKIT_ISA", level)
+        built = tuple(fused_ops(level).panel_dtypes())
+        monkeypatch.setattr(fused, "_BUILT", {})  # as before the build finishes
+        assert fused.panel_dtypes() == built
+        monkeypatch.undo()
+
+
 def _panel_cases():
     return [(bits, group, sym, dtype) for dtype in (torch.float32, torch.bfloat16)
             for bits, group, sym in [(4, 32, True), (4, 128, False), (4, None, True), (4, None, False), (8, None, True), (8, 64, False)]]

@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -107,15 +108,54 @@ def _build_dir(level: str) -> Path:
 
 
 def ops():
-    """The compiled module for the selected instruction set, or None when it cannot be built here (reported once)."""
+    """The compiled module for the selected instruction set, or None when it cannot be built here (reported once).
+    Waits for a build `prepare` started."""
     if os.environ.get("QUANTKIT_FUSED", "1") == "0":
         return None
     return build(selected_level())
 
 
-@functools.cache
+def expected() -> bool:
+    """Whether `ops()` should come (enabled, a compiler present), without waiting for a build in progress."""
+    if os.environ.get("QUANTKIT_FUSED", "1") == "0":
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return ops() is not None  # None at once, and the missing compiler said once
+    return True
+
+
+def prepare() -> None:
+    """Start the selected build in a background thread (loading it, when cached), so the compiler runs while
+    the weights and the tokenizer load: the engine calls this first and waits only when it needs the ops."""
+    if expected() and selected_level() not in _BUILT:
+        threading.Thread(target=ops, name="quantkit-kernels", daemon=True).start()
+
+
+def panel_dtypes() -> tuple[str, ...]:
+    """Activation dtypes the panel GEMM takes: the built module's answer, or while it is still compiling the
+    prediction from its flags (bf16 panels only in a -march=native build on a CPU with AVX512_BF16)."""
+    level = selected_level()
+    if _BUILT.get(level) is not None:
+        return tuple(_BUILT[level].panel_dtypes())
+    return ("float32", "bfloat16") if level == "native" and "avx512_bf16" in cpu_flags() else ("float32",)
+
+
+_BUILT: dict[str, object] = {}
+_LOCK = threading.Lock()
+
+
 def build(level: str):
-    """The module compiled for `level` (one of LEVELS), or None (reported once on stderr)."""
+    """The module compiled for `level` (one of LEVELS), or None (reported once on stderr); compiled at most
+    once per process even when several threads ask at the same time."""
+    if level in _BUILT:  # the hot path: every fused op call comes through here
+        return _BUILT[level]
+    with _LOCK:
+        if level not in _BUILT:
+            _BUILT[level] = _compile(level)
+        return _BUILT[level]
+
+
+def _compile(level: str):
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return _unavailable(f"no C++ compiler: {compiler} not found")
@@ -128,7 +168,8 @@ def build(level: str):
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
         if not any(root.glob("*.so")):
             isa = native_isa() if level == "native" else level
-            print(f"quantkit: compiling the CPU kernels for {isa} (once per machine, ~40 s)", file=sys.stderr, flush=True)
+            print(f"quantkit: compiling the CPU kernels for {isa} while the model loads (once per machine, ~40 s)",
+                  file=sys.stderr, flush=True)
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # its compiler-ABI lecture
         return load(f"quantkit_fused_{level}", [str(SOURCE)], extra_cflags=FLAGS + level_flags(level), extra_ldflags=["-fopenmp"],
                     build_directory=str(root), verbose=False)

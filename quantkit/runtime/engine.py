@@ -76,12 +76,14 @@ class LLMEngine:
             cfg.kernel = "triton" if cfg.device == "cuda" else "packed"
         if cfg.kernel not in KERNELS:
             raise QuantkitError(f"kernel {cfg.kernel}: use auto or one of {', '.join(KERNELS)}")
+        if cfg.fused and cfg.device == "cpu" and cfg.kernel in ("packed", "dense"):
+            fused_kernels.prepare()  # compile (first-ever start) or load the kernels while the weights load
         self.path = Path(path)
         hf = json.loads((self.path / "config.json").read_text())
         self.dtype = _compute_dtype(cfg.dtype, hf, cfg.device)
         if cfg.lm_head not in ("auto", "int8"):
             raise QuantkitError(f"lm_head {cfg.lm_head}: use auto or int8")
-        self.model = LlamaModel(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
+        self.model = LlamaModel.load(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
         m = self.model.cfg
         t0 = time.perf_counter()
         self.tokenizer = tokenizer if tokenizer is not None else _tokenizer(self.path)

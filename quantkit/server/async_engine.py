@@ -63,7 +63,9 @@ class AsyncEngine:
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._running = False
+        # alive from the start: the HTTP side listens a moment before `run_forever` takes its first turn, and a
+        # request in that moment queues for it; False once the loop ends (shutdown, or a crash)
+        self._running = True
 
     # --- event-loop side ----------------------------------------------------------------------
     @property

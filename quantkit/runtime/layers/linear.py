@@ -171,9 +171,8 @@ def _panels_fit(shape: tuple[int, int], group: int, dtype: torch.dtype) -> bool:
     """Activations the built kernels take (float32 anywhere, bf16 on AVX-512 BF16), 16-channel panels, groups of a
     multiple of 8 dividing the row (the kernel reads four pairs of inputs a load)."""
     out_features, in_features = shape
-    ops = fused_kernels.ops()
     return (out_features % 16 == 0 and group % 8 == 0 and in_features % group == 0
-            and ops is not None and str(dtype).removeprefix("torch.") in ops.panel_dtypes())
+            and str(dtype).removeprefix("torch.") in fused_kernels.panel_dtypes())
 
 
 def to_device(module: nn.Module, device: str) -> None:

@@ -118,9 +118,10 @@ class LlamaModel(nn.Module):
             raise QuantkitError(f"the runtime runs the Llama family ({', '.join(ARCHITECTURES)}); {path} is {hf.get('architectures')}")
         self.cfg = cfg = ModelConfig.from_hf(hf)
         self.dtype = dtype
-        t0 = time.perf_counter()
-        # the fused CPU ops serve the CPU kernels; "reference" stays pure PyTorch (the oracle), the GPU has Triton
-        self.fused = fused and kernel in ("packed", "dense") and device == "cpu" and fused_kernels.ops() is not None
+        # the fused CPU ops serve the CPU kernels; "reference" stays pure PyTorch (the oracle), the GPU has Triton.
+        # Expected, not waited for: a first-ever build compiles while the weights load (fused_kernels.prepare)
+        self.fused = fused and kernel in ("packed", "dense") and device == "cpu" and fused_kernels.expected()
+        predicted = fused_kernels.panel_dtypes() if self.fused else ()
         t1 = time.perf_counter()
         w = Weights(path)
         t2 = time.perf_counter()
@@ -137,13 +138,25 @@ class LlamaModel(nn.Module):
             self.embed = None
         self.rotary = Rotary(path, hf, dtype, device)
         self.kv_scales = self._kv_scales(w)
+        t3 = time.perf_counter()
+        ops = fused_kernels.ops() if self.fused else None
+        self.built = not self.fused or (ops is not None and tuple(ops.panel_dtypes()) == predicted)  # else see `load`
+        t4 = time.perf_counter()
         self.decoder = (FusedDecoder.build(self.layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-                        if self.fused else None)
+                        if self.fused and self.built else None)
         if device != "cpu":
             to_device(self, device)
             self.kv_scales = None if self.kv_scales is None else [(k.to(device), v.to(device)) for k, v in self.kv_scales]
-        # start-up split, seconds: loading the kernels, reading the checkpoint, laying weights out for the kernels
-        self.timings = {"kernels": t1 - t0, "load": t2 - t1, "repack": time.perf_counter() - t2}
+        # start-up split, seconds: waiting for the kernels, reading the checkpoint, laying weights out for the kernels
+        self.timings = {"kernels": t4 - t3, "load": t2 - t1, "repack": time.perf_counter() - t2 - (t4 - t3)}
+
+    @classmethod
+    def load(cls, path: Path, dtype: torch.dtype, kernel: str = "packed", device: str = "cpu", lm_head: str = "auto",
+             fused: bool = True) -> LlamaModel:
+        """The model, laid out for the fused kernels while they build; again, when the build failed (said once:
+        then for the PyTorch ops) or took other activation dtypes than predicted (then for what it takes)."""
+        model = cls(path, dtype, kernel, device, lm_head, fused)
+        return model if model.built else cls(path, dtype, kernel, device, lm_head, fused and fused_kernels.ops() is not None)
 
     def _kv_scales(self, w: Weights) -> list[tuple[Tensor, Tensor]] | None:
         names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(self.cfg.num_layers)]
