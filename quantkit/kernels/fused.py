@@ -140,7 +140,19 @@ def panel_dtypes() -> tuple[str, ...]:
     return ("float32", "bfloat16") if level == "native" and "avx512_bf16" in cpu_flags() else ("float32",)
 
 
+def loaded():
+    """The module if it is built or only needs loading (cached), else None, without waiting for a compile: for
+    work at load time that has a slower PyTorch equivalent (panel packing)."""
+    level = selected_level()
+    if level not in _BUILT and not (expected() and level in _CACHED):
+        if not (expected() and any(_build_dir(level).glob("*.so"))):
+            return None
+        _CACHED.add(level)
+    return ops()
+
+
 _BUILT: dict[str, object] = {}
+_CACHED: set[str] = set()
 _LOCK = threading.Lock()
 
 

@@ -499,6 +499,34 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return panel_gemm_impl(x, w, params, group, false);
 }
 
+// Checkpoint words int32 [N, K/8] (compressed-tensors 4-bit: inputs 8L..8L+7 at nibbles 0..7) -> the int4 panel
+// layout uint8 [N/16, K/8, 64] (panel_gemm.h) in one pass: formats/pack.py's int4_panels_from_words (the reference,
+// tested equal), whose tensor ops take ten passes over the weights at load.
+at::Tensor panel_pack_int4(const at::Tensor& words) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.size(0) % panel::kPanel == 0,
+              "panel_pack_int4: int32 [N, K/8] with N a multiple of 16");
+  const at::Tensor w = words.contiguous();
+  const int64_t n = w.size(0), lines = w.size(1);
+  at::Tensor out = at::empty({n / panel::kPanel, lines, 4 * panel::kPanel}, w.options().dtype(at::kByte));
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<int32_t>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<uint8_t>());
+  at::parallel_for(0, n / panel::kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < panel::kPanel; ++c) {
+        const uint32_t* row = src + (p * panel::kPanel + c) * lines;
+        for (int64_t l = 0; l < lines; ++l) {
+          uint32_t x = row[l];
+          uint32_t t = (x ^ (x >> 4)) & 0x00F000F0u;  // nibbles 1<->2, 5<->6
+          x ^= t ^ (t << 4);
+          t = (x ^ (x >> 8)) & 0x0000FF00u;  // bytes 1<->2: nibbles 0 2 4 6 1 3 5 7
+          x ^= t ^ (t << 8);
+          dst[(p * lines + l) * panel::kPanel + c] = x;
+        }
+      }
+  });
+  return out;
+}
+
 // int4 or int8 panels and their params -> the dense weight transposed, [K, N] float32 (see panel_f32.h).
 at::Tensor panel_dequant_t(const at::Tensor& w, const at::Tensor& params, int64_t group) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.dim() == 3 && params.is_contiguous(), "panel_dequant_t: int4/int8 panels");
@@ -601,6 +629,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_gemm", &panel_gemm);
   m.def("panel_gemm_scalar", &panel_gemm_scalar);
   m.def("panel_dequant_t", &panel_dequant_t);
+  m.def("panel_pack_int4", &panel_pack_int4);
   py::class_<Linear>(m, "Linear").def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>());
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, double>())

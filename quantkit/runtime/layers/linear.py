@@ -108,7 +108,7 @@ class Linear(nn.Module):
               and _panels_fit(weight.shape, weight.group_size or in_features, dtype)):
             self.mode, self.group = f"int{weight.bits}_panels", weight.group_size or in_features
             four = weight.bits == 4
-            self.packed = int4_panels_from_words(weight.words) if four else pack_int8_panels(weight.q)  # [out / 16, in / 8, 64 or 128]
+            self.packed = _int4_panels(weight.words) if four else pack_int8_panels(weight.q)  # [out / 16, in / 8, 64 or 128]
             scale = weight.scale.float()  # [out, groups]
             zero = torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float()
             offset = (136.0 if four else 2304.0) + zero  # see panel_gemm.h
@@ -165,6 +165,13 @@ class Linear(nn.Module):
         if self.mode == "bf16_panels":
             return self.panels[ids // 16, :, ids % 16, :].reshape(len(ids), -1).to(self.dtype)
         return self.weight[ids]
+
+
+def _int4_panels(words: Tensor) -> Tensor:
+    """The int4 panels of checkpoint words: in one C++ pass when the kernels are loaded (or only need loading),
+    else (a first-ever build still compiling) through PyTorch ops, ~10x slower: the same bytes."""
+    ops = fused_kernels.loaded()
+    return ops.panel_pack_int4(words) if ops is not None else int4_panels_from_words(words)
 
 
 def _panels_fit(shape: tuple[int, int], group: int, dtype: torch.dtype) -> bool:
