@@ -335,3 +335,40 @@ def test_panel_packing_in_cpp_equals_the_reference(isa):
     for n, k in ((16, 8), (48, 576), (160, 1536)):
         words = pack_int32(torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8), 4, dim=1)
         assert torch.equal(fused_ops(isa).panel_pack_int4(words), int4_panels_from_words(words))
+
+
+@pytest.fixture(scope="module")
+def tiny_w4(tiny_dir, tmp_path_factory):
+    from quantkit.cli import main
+
+    out = tmp_path_factory.mktemp("tiny-w4") / "w4"
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", str(tiny_dir), "--bits", "4", "-g", "32", "-o", str(out), "-q"])
+    assert exc.value.code == 0
+    return out
+
+
+_GREEDY: dict = {}
+
+
+def _greedy(path, dtype: str, kernel: str, tokens: int) -> list[list[int]]:
+    from quantkit.runtime import LLM, SamplingParams
+
+    prompts = [[1, 45, 99, 31, 44, 38, 200], [1, 90, 25, 26, 93]]  # ids the tiny vocabulary (256) has too
+    llm = LLM(str(path), dtype=dtype, kernel=kernel)
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("model", ["tiny_w4", "smollm2_w4"])
+def test_greedy_tokens_on_every_build_equal_the_reference_kernels(request, isa, model):
+    """Each instruction-set build decodes the same greedy tokens as the pure-PyTorch reference kernels, in
+    float32 (every build) and bf16 (where the build has bf16 panels), on the tiny model and on SmolLM2."""
+    path = request.getfixturevalue(model)
+    tokens = 24 if model == "smollm2_w4" else 16
+    for dtype in ("fp32", "bf16"):
+        if dtype == "bf16" and "bfloat16" not in fused_ops(isa).panel_dtypes():
+            continue
+        key = (model, dtype)
+        if key not in _GREEDY:  # the reference does not depend on the build
+            _GREEDY[key] = _greedy(path, dtype, "reference", tokens)
+        assert _greedy(path, dtype, "packed", tokens) == _GREEDY[key], (isa, dtype)
