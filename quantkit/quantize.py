@@ -98,15 +98,16 @@ def pick_device(device: str) -> str:
     return device
 
 
-def compute_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
-    """The dtype the calibration forwards and the Hessians' partial products run in, chosen for the machine as
-    the runtime chooses its activations: the checkpoint's 16-bit dtype on CUDA; bf16 on a CPU only where it has
-    native bf16 dot products (AVX512_BF16 or AMX: there bf16 GEMMs are ~2.5x float32's); float32 elsewhere,
-    where bf16 GEMMs are emulated and slower than float32 (and fp16 always, CPUs having no fast fp16 GEMM).
-    Hessians always accumulate in float32."""
+def compute_dtype(dtype: torch.dtype, device: str, method: str = "gptq") -> torch.dtype:
+    """The dtype the layer walk runs in, chosen for the machine as the runtime chooses its activations: the
+    checkpoint's 16-bit dtype on CUDA; for the methods that calibrate weights (GPTQ, AWQ: forwards and
+    Hessian products are their time), bf16 on a CPU only where it has native bf16 dot products (AVX512_BF16 or
+    AMX: there bf16 GEMMs are ~2.5x float32's) and float32 elsewhere, where bf16 GEMMs are emulated and slower;
+    RTN, whose one forward only measures KV-cache scales, keeps bf16 and so half the memory of a float32 layer.
+    fp16 on a CPU always runs in float32 (no fast fp16 GEMM). Hessians always accumulate in float32."""
     from quantkit.kernels.fused import native_bf16
 
-    if device == "cuda" or (dtype == torch.bfloat16 and native_bf16()):
+    if device == "cuda" or (dtype == torch.bfloat16 and (method not in ("gptq", "awq") or native_bf16())):
         return dtype
     return torch.float32
 
@@ -197,7 +198,7 @@ def run_quantize(
         from quantkit.formats.bnb import run_bnb
 
         return run_bnb(resolved, out, recipe, force, ui)
-    forward = compute_dtype(dtype, device)
+    forward = compute_dtype(dtype, device, recipe.method)
     with ui.step(f"reading {spec}"):
         model = skeleton(resolved.path, forward, device)
         source = SafetensorsSource(resolved.path)

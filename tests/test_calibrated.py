@@ -46,7 +46,8 @@ def reference(src, calib_file, **overrides):
     from quantkit.quantize import compute_dtype
 
     # the dtype the streamed walk computes in on this machine (bf16 only with native bf16 dot products)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=compute_dtype(torch.bfloat16, "cpu"), attn_implementation="sdpa").eval()
+    dtype = compute_dtype(torch.bfloat16, "cpu", overrides["method"])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="sdpa").eval()
     results = quantize_loaded(model, build_recipe([], overrides), torch.bfloat16, calib_ids(src, calib_file))
     return model, results
 

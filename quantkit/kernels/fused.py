@@ -144,10 +144,10 @@ def loaded():
     """The module if it is built or only needs loading (cached), else None, without waiting for a compile: for
     work at load time that has a slower PyTorch equivalent (panel packing)."""
     level = selected_level()
-    if level not in _BUILT and not (expected() and level in _CACHED):
+    if level not in _BUILT and level not in _CACHED:
         if not (expected() and any(_build_dir(level).glob("*.so"))):
             return None
-        _CACHED.add(level)
+        _CACHED.add(level)  # (the build directory's key hashes the sources: once per process is enough)
     return ops()
 
 

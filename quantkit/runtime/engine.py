@@ -114,7 +114,7 @@ class LLMEngine:
         self.add_request([0] * min(8, self.max_len - 2), SamplingParams(max_tokens=2, ignore_eos=True), "quantkit-warm-up")
         while self.has_unfinished():
             self.step()
-        self.steps = 0
+        self.steps = self.blocks.queries = self.blocks.hits = 0  # nothing of it in the served metrics
         self.timings["warm-up"] = time.perf_counter() - t0
         return self.timings["warm-up"]
 
