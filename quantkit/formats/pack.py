@@ -54,11 +54,6 @@ def unpack_int32(packed: Tensor, bits: int, length: int, dim: int = 1) -> Tensor
     return (v.t() if dim == 0 else v).contiguous()
 
 
-def unpack_int4_rows(packed: Tensor, length: int) -> Tensor:
-    """4-bit weights packed along dim 1: int32 [rows, words] -> int8 [rows, length]."""
-    return unpack_int32(packed, 4, length, dim=1)
-
-
 def pack_int4_panels(q: Tensor, panel: int = 16) -> Tensor:
     """The CPU int4 GEMM's layout (kernels/csrc/panel_gemm.h): int8 [out, in] in [-8, 7], in % 8 == 0 -> uint8
     [out / panel, in / 8, 4 * panel]: line L of a panel is one little-endian dword per channel holding its inputs

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantkit.formats.pack import unpack_int4_rows
+from quantkit.formats.pack import unpack_int32
 
 INT4_GROUPS = (256, 128, 64, 32)
 
@@ -51,7 +51,7 @@ def dequant_int4(words: Tensor, scale: Tensor, zero_point: Tensor | None, in_fea
     """The dense weight [out, in] in `dtype` from the checkpoint's int32 packing: for matmuls with many rows,
     where a dense GEMM beats the int4 kernel. (q - zp) is exact in any float dtype and the product with the
     scale is rounded once, so this equals the float32 reference rounded to `dtype`."""
-    q = unpack_int4_rows(words, in_features).to(dtype)  # [out, in]
+    q = unpack_int32(words, 4, in_features).to(dtype)  # [out, in]
     out_features, groups = scale.shape
     g = q.view(out_features, groups, -1)
     if zero_point is not None:
