@@ -11,6 +11,7 @@ from quantkit.eval.stats import (
     INCONCLUSIVE,
     UNINFORMATIVE,
     compare,
+    matched_pairs_ci,
     mcnemar_exact,
     paired_bootstrap_ci,
 )
@@ -45,3 +46,30 @@ def test_verdicts():
     assert few.verdict == INCONCLUSIVE and "items would be needed" in few.note
     weak = compare(torch.zeros(50), torch.zeros(50), floor=0.2)
     assert weak.verdict == UNINFORMATIVE and "floor" in weak.note
+
+
+def test_matched_pairs_ci_by_hand():
+    # 7 lost, 2 gained of 100: adjusted cells b = 7.5, c = 2.5, n = 102; diff = -5/102,
+    # se = sqrt(10 - 25/102) / 102
+    lo, hi = matched_pairs_ci(7, 2, 100, level=0.90)
+    se = math.sqrt(10 - 25 / 102) / 102
+    assert lo == pytest.approx(-5 / 102 - 1.6449 * se, abs=1e-4)
+    assert hi == pytest.approx(-5 / 102 + 1.6449 * se, abs=1e-4)
+
+
+def test_no_flips_on_few_items_is_not_equivalence():
+    # 21 identical answers: a bootstrap says [0, 0]; 21 items cannot rule out a 7-point difference
+    few = torch.tensor([1.0] * 15 + [0.0] * 6)
+    r = compare(few, few.clone())
+    assert r.verdict == INCONCLUSIVE and r.ci_low < -0.05 and r.ci_high > 0.05
+    lo, hi = paired_bootstrap_ci(few, few.clone())
+    assert lo == hi == 0.0  # the degenerate interval the adjustment replaces
+    many = torch.tensor([1.0] * 300 + [0.0] * 100)
+    assert compare(many, many.clone()).verdict == EQUIVALENT
+
+
+def test_graded_scores_use_the_bootstrap():
+    base = torch.tensor([1.0, 0.5, 0.25, 1.0] * 50)
+    quant = torch.tensor([1.0, 0.5, 0.0, 1.0] * 50)
+    r = compare(base, quant)
+    assert (r.ci_low, r.ci_high) == pytest.approx(paired_bootstrap_ci(base, quant))

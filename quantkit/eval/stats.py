@@ -1,8 +1,11 @@
 """Paired statistics for baseline-vs-quantized comparisons on the same items, and the verdict they support.
 
-Every item is answered by both models, so the comparison is paired: the difference in accuracy has a
-paired bootstrap confidence interval, and McNemar's exact test looks only at the items whose correctness
-flipped. A task is "equivalent" when the whole CI lies within +-margin, "degraded" when the CI lies
+Every item is answered by both models, so the comparison is paired: the difference in accuracy has
+Agresti and Min's adjusted-Wald interval for matched proportions (half an item added to each cell of the 2x2
+table), and McNemar's exact test looks only at the items whose correctness flipped. The adjustment matters
+when few items flip: a bootstrap (or a plain Wald interval) of 21 items with no flip is [0, 0], which would
+call two models equivalent on evidence that cannot rule out a 7-point difference. Graded scores (not 0/1)
+fall back to a paired bootstrap. A task is "equivalent" when the whole CI lies within +-margin, "degraded" when the CI lies
 below zero, and "inconclusive" otherwise, with the number of items a decision would need.
 """
 
@@ -45,6 +48,20 @@ def paired_bootstrap_ci(base: torch.Tensor, quant: torch.Tensor, level: float = 
     return lo, hi
 
 
+def matched_pairs_ci(lost: int, gained: int, n: int, level: float = 0.90) -> tuple[float, float]:
+    """CI of the accuracy difference (gained - lost) / n for paired 0/1 outcomes, by Agresti and Min (2005):
+    add 0.5 to each of the four cells, then a Wald interval on the adjusted table. Never zero-width."""
+    z = _z(level)
+    b, c, m = lost + 0.5, gained + 0.5, n + 2.0
+    diff = (c - b) / m
+    se = math.sqrt(max(b + c - (c - b) ** 2 / m, 0.0)) / m
+    return max(-1.0, diff - z * se), min(1.0, diff + z * se)
+
+
+def _z(level: float) -> float:
+    return torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.5 + level / 2, dtype=torch.float64)).item()
+
+
 def mcnemar_exact(lost: int, gained: int) -> float:
     """Two-sided exact McNemar p-value: a binomial test of the flips against p = 1/2."""
     n = lost + gained
@@ -56,10 +73,26 @@ def mcnemar_exact(lost: int, gained: int) -> float:
 
 
 def items_needed(base: torch.Tensor, quant: torch.Tensor, margin: float, level: float = 0.90) -> int:
-    """Items for the CI half-width to fit inside the margin, from the observed per-item variance."""
-    d = quant.double() - base.double()
-    sd = max(d.std().item() if d.numel() > 1 else 0.5, 0.05)
-    z = {0.90: 1.645, 0.95: 1.96}.get(level, 1.645)
+    """Items for the CI half-width to fit inside the margin, at the flip rates (0/1 items) or the per-item
+    variance (graded scores) observed so far."""
+    n, z = base.numel(), _z(level)
+    b, q = base.double(), quant.double()
+    if ((b == 0) | (b == 1)).all() and ((q == 0) | (q == 1)).all():
+        lost, gained = int(((b == 1) & (q == 0)).sum()), int(((b == 0) & (q == 1)).sum())
+
+        def half(m: int) -> float:  # half-width at m items with the same flip rates
+            lo, hi = matched_pairs_ci(round(lost * m / n), round(gained * m / n), m, level)
+            return (hi - lo) / 2
+
+        m = n
+        while half(m) > margin and m < 10**7:
+            m *= 2
+        lo_m = max(n, m // 2)
+        while lo_m < m:  # smallest m with half(m) <= margin
+            mid = (lo_m + m) // 2
+            lo_m, m = (mid + 1, m) if half(mid) > margin else (lo_m, mid)
+        return m
+    sd = max((q - b).std().item() if n > 1 else 0.5, 0.05)
     return math.ceil((z * sd / margin) ** 2)
 
 
@@ -67,10 +100,11 @@ def compare(base: torch.Tensor, quant: torch.Tensor, margin: float = 0.02, floor
     """base/quant: per-item correctness (0/1) or scores in [0, 1], same items in the same order."""
     if base.shape != quant.shape or base.numel() == 0:
         raise ValueError("paired comparison needs the same non-empty items for both models")
-    lo, hi = paired_bootstrap_ci(base, quant, level)
     b, q = base.double(), quant.double()
     lost = int(((b >= 0.5) & (q < 0.5)).sum())
     gained = int(((b < 0.5) & (q >= 0.5)).sum())
+    binary = bool(((b == 0) | (b == 1)).all() and ((q == 0) | (q == 1)).all())
+    lo, hi = matched_pairs_ci(lost, gained, b.numel(), level) if binary else paired_bootstrap_ci(base, quant, level)
     acc_b, acc_q = b.mean().item(), q.mean().item()
     note = ""
     if acc_b < floor:
