@@ -211,6 +211,7 @@ def run_quantize(
         notes.append(note)
         ui.note(note)
     batches, calibration = calibration_batches(model, layers, recipe, calib, tokenizer, device, notes, ui)
+    release_layer(model.get_input_embeddings())  # the first layer's inputs exist; the writer reads it from the source
     if batches is not None and forward != dtype:  # say what the layer walk computes in, and why
         calibration += (f", {str(forward).removeprefix('torch.')} forwards ("
                         + ("no native bf16 dot products on this CPU" if dtype == torch.bfloat16 else "no fast fp16 GEMM on CPUs") + ")")

@@ -77,3 +77,31 @@ def test_stacked_rows_equal_separate_runs():
     stacked = gptq(w, h, scheme, torch.float32)
     top, bottom = gptq(w[:40], h, scheme, torch.float32), gptq(w[40:], h, scheme, torch.float32)
     assert torch.equal(stacked.q, torch.cat([top.q, bottom.q]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_triangle_hessian_equals_full_product(dtype, monkeypatch):
+    """The layer walk sums x^T x over the upper block triangle, in chunks, and mirrors it once at the end."""
+    from quantkit.calib import sequential
+
+    monkeypatch.setattr(sequential, "HESSIAN_BLOCK", 16)  # 70 features -> 4 blocks (one shorter)
+    monkeypatch.setattr(sequential, "HESSIAN_CHUNK", 100)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, 70, generator=g).to(dtype) for n in (250, 37)]
+    h = None
+    for x in xs:
+        h = sequential._hessian(x, h)
+    h = sequential._mirror(h)
+    full = sum(x.double().t() @ x.double() for x in xs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 products of each chunk, summed in float32
+    assert torch.allclose(h.double(), full, rtol=tol, atol=tol * full.abs().max().item())
+    assert torch.equal(h, h.t())
+
+
+def test_release_h_frees_the_hessian_and_changes_nothing():
+    w, h = problem()
+    kept = gptq(w, h.clone(), Scheme(4, 32, True), torch.float32)
+    h2 = h.clone()
+    freed = gptq(w, h2, Scheme(4, 32, True), torch.float32, release_h=True)
+    assert torch.equal(kept.q, freed.q) and torch.equal(kept.scale, freed.scale)
+    assert h2.untyped_storage().size() == 0

@@ -116,17 +116,40 @@ class SharedInputs:
 
 
 HESSIAN_CHUNK = 4096  # tokens per partial product: short sums stay exact enough in 16-bit GEMM outputs
+HESSIAN_BLOCK = 2048  # features per block of the upper triangle: x^T x is symmetric, so ~40% of it is skipped
+
+
+def _blocks(n: int) -> list[tuple[int, int]]:
+    k = max(1, round(n / HESSIAN_BLOCK))
+    step = -(-n // k)
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 def _hessian(x: Tensor, acc: Tensor | None) -> Tensor:
-    """acc + x^T x [in, in] in float32. Partial products run in x's own dtype (bf16 GEMMs are ~2.5x faster
-    than fp32 on CPUs with AVX512-BF16) over chunks of tokens, and are summed in float32."""
+    """acc + x^T x [in, in] in float32, upper block triangle only (`_mirror` completes it once, at the end).
+
+    float32 inputs accumulate straight into acc; 16-bit ones (bf16 GEMMs are ~2.5x faster than float32 on CPUs
+    with AVX512-BF16) go through one product buffer per block shape over chunks of tokens, summed in float32."""
     n = x.shape[-1]
     acc = torch.zeros(n, n, dtype=torch.float32, device=x.device) if acc is None else acc
-    prod = torch.empty(n, n, dtype=x.dtype, device=x.device)  # one buffer for every chunk's product, not a float copy each
+    blocks = _blocks(n)
+    prod = None if x.dtype == torch.float32 else torch.empty(blocks[0][1], n, dtype=x.dtype, device=x.device)
     for chunk in x.split(HESSIAN_CHUNK):
-        torch.mm(chunk.t(), chunk, out=prod)
-        acc += prod
+        for i0, i1 in blocks:
+            xi = chunk[:, i0:i1].t()  # rows i0:i1 of x^T x, from the diagonal to the right
+            if prod is None:
+                acc[i0:i1, i0:].addmm_(xi, chunk[:, i0:])
+            else:
+                out = prod[: i1 - i0, : n - i0]
+                torch.mm(xi, chunk[:, i0:], out=out)
+                acc[i0:i1, i0:] += out
+    return acc
+
+
+def _mirror(acc: Tensor) -> Tensor:
+    """Fill the lower block triangle of a `_hessian` from its upper one, in place."""
+    for i0, i1 in _blocks(acc.shape[0]):
+        acc[i1:, i0:i1] = acc[i0:i1, i1:].t()
     return acc
 
 
@@ -238,32 +261,37 @@ def propagate(layer: nn.Module, batches: list[Batch], kv_strategy: str | None) -
 def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list[Batch], recipe: Recipe,
                     scheme: Scheme, dtype: torch.dtype, kv_strategy: str | None):
     """GPTQ over one Llama-family layer in a single pass, sublayer by sublayer ("true sequential"): q/k/v,
-    then o, gate/up and down each see the errors of the sublayers quantized before them. One forward's
-    worth of compute instead of a calibration pass plus a propagation pass.
+    then o, gate/up and down each see the errors of the sublayers quantized before them.
 
     Follows the decoder layer exactly: h = x + o(attn(ln1(x))); out = h + down(act(gate(ln2(h))) * up(ln2(h))).
+    Memory is what bounds a layer walk, so the batches are rewritten in place (x becomes h, then out) and the
+    MLP's intermediate, 5.8x the hidden size, is never kept: it is computed per batch for the down projection's
+    Hessian and again, from the quantized gate/up, for the outputs (one more gate/up GEMM a layer; a 1.5B model
+    kept 1.2 GB of it in float32). The Hessian is factored and released before the weights are solved.
     Returns (quantized weights, the next layer's inputs, K/V absmax)."""
     attn, mlp = layer.self_attn, layer.mlp
     cfg = GPTQConfig(block_size=recipe.block_size, damp=recipe.damp, actorder=recipe.actorder == "static")
     qweights: dict[str, QuantizedWeight] = {}
 
-    def solve(names: list[str], h: Tensor) -> None:
+    def solve(names: list[str], xs: Iterator[Tensor]) -> None:
         names = [n for n in names if n in local]
         if not names:
             return
+        h = None
+        for x in xs:
+            h = _hessian(x.reshape(-1, x.shape[-1]), h)
         weights = [local[n].weight for n in names]
-        stacked = gptq(torch.cat(weights), h, scheme, dtype, cfg)
+        stacked = gptq(torch.cat(weights), _mirror(h), scheme, dtype, cfg, release_h=True)
+        del h
         for n, qw in zip(names, split_rows(stacked, [w.shape[0] for w in weights])):
             local[n].weight.copy_(qw.dequantize(local[n].weight.dtype))
             qweights[n] = qw
 
-    def hessian(xs) -> Tensor:
-        h = None
-        for x in xs:
-            h = _hessian(x.reshape(-1, x.shape[-1]), h)
-        return h
+    def mid(x: Tensor) -> Tensor:  # the down projection's input
+        y = layer.post_attention_layernorm(x)
+        return mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y)
 
-    solve(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], hessian(layer.input_layernorm(b.hidden) for b in batches))
+    solve(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], (layer.input_layernorm(b.hidden) for b in batches))
     o_in: list[Tensor] = []
 
     def grab(module, args):
@@ -281,17 +309,14 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
                     pass
     finally:
         handle.remove()
-    solve(["self_attn.o_proj"], hessian(o_in))
-    h = [b.hidden + attn.o_proj(x) for b, x in zip(batches, o_in)]
-    del o_in
-    solve(["mlp.gate_proj", "mlp.up_proj"], hessian(layer.post_attention_layernorm(x) for x in h))
-    mid = []
-    for x in h:
-        y = layer.post_attention_layernorm(x)
-        mid.append(mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y))
-    solve(["mlp.down_proj"], hessian(mid))
-    outputs = [Batch(x + mlp.down_proj(m), b.kwargs) for x, m, b in zip(h, mid, batches)]
-    return qweights, outputs, kv.amax
+    solve(["self_attn.o_proj"], iter(o_in))
+    for b in batches:  # x -> h, freeing each attention output as it is used
+        b.hidden = b.hidden + attn.o_proj(o_in.pop(0))
+    solve(["mlp.gate_proj", "mlp.up_proj"], (layer.post_attention_layernorm(b.hidden) for b in batches))
+    solve(["mlp.down_proj"], (mid(b.hidden) for b in batches))
+    for b in batches:  # h -> the layer's output
+        b.hidden = b.hidden + mlp.down_proj(mid(b.hidden))
+    return qweights, batches, kv.amax
 
 
 @torch.no_grad()

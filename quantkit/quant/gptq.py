@@ -56,8 +56,12 @@ def _permuted(h: Tensor, perm: Tensor, rows: int = 1024) -> Tensor:
     return out
 
 
-def gptq(w: Tensor, h: Tensor, scheme: Scheme, scale_dtype: torch.dtype, cfg: GPTQConfig = GPTQConfig()) -> QuantizedWeight:
-    """w [out, in], h [in, in] float32 (sum of x x^T over calibration tokens; left unchanged) -> QuantizedWeight."""
+def gptq(w: Tensor, h: Tensor, scheme: Scheme, scale_dtype: torch.dtype, cfg: GPTQConfig = GPTQConfig(),
+         release_h: bool = False) -> QuantizedWeight:
+    """w [out, in], h [in, in] float32 (sum of x x^T over calibration tokens) -> QuantizedWeight.
+
+    h is left unchanged, or with `release_h` its storage is freed once factored (every view of it then empty):
+    a layer walk does not need it again, and the factor beside it would otherwise double its memory."""
     w = w.float().clone()
     h = h.float()
     out_f, in_f = w.shape
@@ -70,6 +74,9 @@ def gptq(w: Tensor, h: Tensor, scheme: Scheme, scale_dtype: torch.dtype, cfg: GP
     perm = torch.argsort(diag, descending=True) if cfg.actorder else torch.arange(in_f, device=w.device)
     w = w[:, perm]
     u, _ = inverse_hessian_cholesky(h, perm, diag, cfg.damp, cfg.max_damp_tries)
+    if release_h:
+        h.untyped_storage().resize_(0)
+        del h
     if u is None:
         warnings.warn("GPTQ: the Hessian stayed singular after raising damping; falling back to RTN for this layer")
         return rtn(w[:, torch.argsort(perm)], scheme, scale_dtype)
