@@ -46,3 +46,22 @@ def test_generation_is_deterministic(count, filler):
 def test_ruler_string_match():
     assert score("The pass key is 12345.", ["12345"]) == 1.0
     assert score("XYZ and abc", ["xyz", "ABC", "def"]) == pytest.approx(2 / 3)
+
+
+def test_items_of_one_length_share_the_haystack_up_to_their_needle(count, filler):
+    """So a prefix cache computes it once: a shallower needle's prompt, cut at its needle, begins a deeper one's."""
+    deep = build_item("niah_number", 1024, 1.0, seed=1, count=count, filler=filler, haystack_seed=0)
+    shallow = build_item("passkey", 1024, 0.5, seed=2, count=count, filler=filler, haystack_seed=0)
+    cut = shallow.prompt.index("The pass key is")
+    assert cut > len(shallow.prompt) // 3 and deep.prompt.startswith(shallow.prompt[:cut])
+    other = build_item("passkey", 1024, 0.5, seed=2, count=count, filler=filler, haystack_seed=1)
+    assert other.prompt[:cut] != shallow.prompt[:cut]
+
+
+def test_default_items_cover_every_depth_deepest_first(count, filler):
+    items = generate(list(TASKS), [512, 1024], 3, seed=0, count=count, filler=filler)
+    for length in (512, 1024):
+        depths = [it.depth for it in items if it.length == length]
+        assert len(depths) == 3 * len(TASKS) and set(depths) == {0.0, 0.25, 0.5, 0.75, 1.0}
+        assert depths == sorted(depths, reverse=True)
+    assert [it.length for it in items] == sorted(it.length for it in items)

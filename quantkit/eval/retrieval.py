@@ -1,7 +1,10 @@
 """Long-context retrieval tasks generated from a seed, sized in the model's own tokens (after RULER).
 
 Each item is a haystack of offline filler text (quantkit's held-out split of Python's reference docs)
-with one or more needles inserted at a chosen depth, and a question. Scoring follows RULER's string
+with one or more needles inserted at a chosen depth, and a question. As in RULER, whose haystacks are one
+set of essays, every item of one length reads the same filler: prompts then share everything up to their
+needle, which a prefix cache computes once (run the deepest needles first and each later item prefills
+only its needle and what follows), about half of the prompt tokens at evenly spread depths. Scoring follows RULER's string
 match: the fraction of expected strings that appear in the output (case-insensitive); an item counts
 as correct when all of them do.
 """
@@ -103,21 +106,24 @@ class Filler:
         return [self.sentences[(start + i) % len(self.sentences)] for i in range(n_sentences)]
 
 
-def build_item(task: str, length: int, depth: float, seed: int, count: Callable[[str], int], filler: Filler) -> Item:
-    """One item whose prompt is `length` tokens (within a few), needles at `depth` of the haystack."""
+def build_item(task: str, length: int, depth: float, seed: int, count: Callable[[str], int], filler: Filler,
+               haystack_seed: int | None = None) -> Item:
+    """One item whose prompt is `length` tokens (within a few), needles at `depth` of the haystack. Items built
+    with one `haystack_seed` and length read the same filler (else it follows `seed` too)."""
     rng = random.Random(f"{task}:{length}:{depth}:{seed}")
+    hay = rng if haystack_seed is None else random.Random(f"haystack:{length}:{haystack_seed}")
     intro = "Some special information is hidden inside the following text. Read it and remember it.\n\n"
     if task == "json_kv":
         key, value = str(uuid.UUID(int=rng.getrandbits(128))), str(uuid.UUID(int=rng.getrandbits(128)))
         question = f'\n\nWhat is the value associated with the key "{key}" in the JSON object above? The value is'
-        pairs = _json_pairs(max(1, length // 40), rng)  # a pair is about 50 tokens: more than enough
+        pairs = _json_pairs(max(1, length // 40), hay)  # a pair is about 50 tokens: more than enough
         prompt = _fit(pairs, [f'"{key}": "{value}"'], depth, intro + "{", question, length, count, joiner=", ", close="}")
         return Item(f"{task}-{length}-{int(depth * 100)}-{seed}", task, length, depth, prompt, [value], count(prompt))
     needles, question, answers = _needles(task, rng)
     question = "\n\n" + question
     budget = length - count(intro + " ".join(needles) + question)
     per_sentence = max(1, count(" ".join(filler.take(20, random.Random(0)))) // 20)
-    sentences = filler.take(max(1, 2 * budget // per_sentence), rng)  # twice enough; _fit trims
+    sentences = filler.take(max(1, 2 * budget // per_sentence), hay)  # twice enough; _fit trims
     haystack = _fit(sentences, needles, depth, intro, question, length, count)
     return Item(f"{task}-{length}-{int(depth * 100)}-{seed}", task, length, depth, haystack, answers, count(haystack))
 
@@ -154,10 +160,13 @@ def _fit(sentences, needles, depth, intro, question, length, count, joiner=" ", 
 
 def generate(tasks: list[str], lengths: list[int], per_task: int, seed: int, count: Callable[[str], int],
              filler: Filler) -> list[Item]:
-    """`per_task` items per task and length, cycling through the depths."""
+    """`per_task` items per task and length, one shared haystack per length, the depths cycled across tasks
+    (so three items a task still cover all five depths). Ordered by length, deepest needle first: the order
+    in which a prefix cache computes the shared haystack once."""
     items = []
-    for task in tasks:
+    for t, task in enumerate(tasks):
         for length in lengths:
             for i in range(per_task):
-                items.append(build_item(task, length, DEPTHS[i % len(DEPTHS)], seed + i, count, filler))
-    return items
+                depth = DEPTHS[(t * per_task + i) % len(DEPTHS)]
+                items.append(build_item(task, length, depth, seed + i, count, filler, haystack_seed=seed))
+    return sorted(items, key=lambda it: (it.length, -it.depth))
