@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantkit.config import Scheme
-from quantkit.quant.gptq import GPTQConfig, gptq, inverse_hessian_cholesky
+from quantkit.quant.gptq import GPTQConfig, cholesky_lower, fill_lower, gptq, inverse_hessian_cholesky
 from quantkit.quant.rtn import rtn
 
 
@@ -91,17 +91,67 @@ def test_block_triangle_hessian_equals_full_product(dtype, monkeypatch):
     h = None
     for x in xs:
         h = sequential._hessian(x, h)
-    h = sequential._mirror(h)
+    h = fill_lower(h)
     full = sum(x.double().t() @ x.double() for x in xs)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 products of each chunk, summed in float32
     assert torch.allclose(h.double(), full, rtol=tol, atol=tol * full.abs().max().item())
     assert torch.equal(h, h.t())
 
 
-def test_release_h_frees_the_hessian_and_changes_nothing():
+def test_overwriting_h_gives_the_same_result():
+    """With `overwrite_h`, H is permuted and factored in its own buffer: the same result, with or without actorder."""
     w, h = problem()
-    kept = gptq(w, h.clone(), Scheme(4, 32, True), torch.float32)
-    h2 = h.clone()
-    freed = gptq(w, h2, Scheme(4, 32, True), torch.float32, release_h=True)
-    assert torch.equal(kept.q, freed.q) and torch.equal(kept.scale, freed.scale)
-    assert h2.untyped_storage().size() == 0
+    for actorder in (False, True):
+        cfg = GPTQConfig(actorder=actorder)
+        kept = gptq(w, h.clone(), Scheme(4, 32, True), torch.float32, cfg)
+        consumed = gptq(w, h.clone(), Scheme(4, 32, True), torch.float32, cfg, overwrite_h=True)
+        assert torch.equal(kept.q, consumed.q) and torch.equal(kept.scale, consumed.scale)
+
+
+@pytest.mark.parametrize("n", [7, 100])
+def test_blocked_cholesky_keeps_the_upper_triangle(n):
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(n, n + 5, generator=g, dtype=torch.float64)
+    h = a @ a.mT
+    work = h.clone()
+    assert cholesky_lower(work, block=16)  # several blocks and a short last one at n = 100
+    assert torch.allclose(work.tril(), torch.linalg.cholesky(h))
+    assert torch.equal(work.triu(1), h.triu(1))
+    h[3, 3] = -1.0  # indefinite: fails part way, and the upper triangle still holds H
+    work = h.clone()
+    assert not cholesky_lower(work, block=2)
+    assert torch.equal(fill_lower(work).triu(1), h.triu(1)) and torch.equal(work, work.mT)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_failed_factorization_retries_from_the_same_hessian(overwrite):
+    """Damping rises until the Cholesky succeeds; the result is the one that damping gives from the start."""
+    h = torch.ones(16, 16)  # rank one: singular without damping
+    perm = torch.arange(16).flip(0)
+    u, damp = inverse_hessian_cholesky(h.clone(), perm, h.diagonal().clone(), 1e-12, 12, overwrite)
+    assert u is not None and damp > 1e-12
+    expected, _ = inverse_hessian_cholesky(h, perm, h.diagonal().clone(), damp, 1)
+    assert torch.allclose(u, expected)
+
+
+@pytest.mark.parametrize("n", [5, 70])
+def test_blocked_triangular_inverse_leaves_the_upper_triangle(n):
+    g = torch.Generator().manual_seed(n)
+    l = torch.randn(n, n, generator=g, dtype=torch.float64).tril() + 4 * torch.eye(n, dtype=torch.float64)
+    junk = torch.randn(n, n, generator=g, dtype=torch.float64).triu(1)
+    a = l + junk
+    from quantkit.quant.gptq import invert_lower
+
+    invert_lower(a, block=16)
+    assert torch.allclose(a.tril(), torch.linalg.inv(l)) and torch.equal(a.triu(1), junk)
+
+
+def test_inverse_cholesky_equals_torch_formula():
+    """U from the reversed factorization and triangular inverse is torch's cholesky(inverse(P H P^T), upper)."""
+    _, h = problem()
+    h = h.double()
+    perm = torch.randperm(h.shape[0], generator=torch.Generator().manual_seed(0))
+    u, damp = inverse_hessian_cholesky(h, perm, h.diagonal().clone(), 0.01, 1)
+    a = h[perm][:, perm]
+    a.diagonal().add_(0.01 * h.diagonal().mean())
+    assert torch.allclose(u, torch.linalg.cholesky(torch.linalg.inv(a), upper=True), rtol=1e-8, atol=1e-10)

@@ -21,7 +21,7 @@ from quantkit.config import Recipe, Scheme
 from quantkit.memory import reuse_freed_memory
 from quantkit.quant import awq
 from quantkit.quant.apply import Target
-from quantkit.quant.gptq import GPTQConfig, gptq
+from quantkit.quant.gptq import GPTQConfig, fill_lower, gptq
 from quantkit.quant.kv_fp8 import absmax
 from quantkit.quant.qparams import QuantizedWeight
 from quantkit.quant.rtn import rtn
@@ -115,8 +115,9 @@ class SharedInputs:
         return out
 
 
+MID_ROWS = 2  # calibration rows per MLP intermediate: 5.8x the hidden size, three alive at once while it is made
 HESSIAN_CHUNK = 4096  # tokens per partial product: short sums stay exact enough in 16-bit GEMM outputs
-HESSIAN_BLOCK = 2048  # features per block of the upper triangle: x^T x is symmetric, so ~40% of it is skipped
+HESSIAN_BLOCK = 1024  # features per block of the upper triangle: x^T x is symmetric, so ~40% of it is skipped
 
 
 def _blocks(n: int) -> list[tuple[int, int]]:
@@ -126,7 +127,7 @@ def _blocks(n: int) -> list[tuple[int, int]]:
 
 
 def _hessian(x: Tensor, acc: Tensor | None) -> Tensor:
-    """acc + x^T x [in, in] in float32, upper block triangle only (`_mirror` completes it once, at the end).
+    """acc + x^T x [in, in] in float32, upper block triangle only (`fill_lower` completes it once, at the end).
 
     float32 inputs accumulate straight into acc; 16-bit ones (bf16 GEMMs are ~2.5x faster than float32 on CPUs
     with AVX512-BF16) go through one product buffer per block shape over chunks of tokens, summed in float32."""
@@ -142,14 +143,8 @@ def _hessian(x: Tensor, acc: Tensor | None) -> Tensor:
             else:
                 out = prod[: i1 - i0, : n - i0]
                 torch.mm(xi, chunk[:, i0:], out=out)
-                acc[i0:i1, i0:] += out
-    return acc
-
-
-def _mirror(acc: Tensor) -> Tensor:
-    """Fill the lower block triangle of a `_hessian` from its upper one, in place."""
-    for i0, i1 in _blocks(acc.shape[0]):
-        acc[i1:, i0:i1] = acc[i0:i1, i1:].t()
+                for r in range(0, i1 - i0, 256):  # the float32 copy that adding converts through stays small
+                    acc[i0 + r : min(i0 + r + 256, i1), i0:] += out[r : r + 256]
     return acc
 
 
@@ -265,9 +260,9 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
 
     Follows the decoder layer exactly: h = x + o(attn(ln1(x))); out = h + down(act(gate(ln2(h))) * up(ln2(h))).
     Memory is what bounds a layer walk, so the batches are rewritten in place (x becomes h, then out) and the
-    MLP's intermediate, 5.8x the hidden size, is never kept: it is computed per batch for the down projection's
+    MLP's intermediate, 5.8x the hidden size, is never kept: it is computed a few rows at a time for the down projection's
     Hessian and again, from the quantized gate/up, for the outputs (one more gate/up GEMM a layer; a 1.5B model
-    kept 1.2 GB of it in float32). The Hessian is factored and released before the weights are solved.
+    kept 1.2 GB of it in float32). Each Hessian is factored in its own buffer (no copy beside it).
     Returns (quantized weights, the next layer's inputs, K/V absmax)."""
     attn, mlp = layer.self_attn, layer.mlp
     cfg = GPTQConfig(block_size=recipe.block_size, damp=recipe.damp, actorder=recipe.actorder == "static")
@@ -281,15 +276,16 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
         for x in xs:
             h = _hessian(x.reshape(-1, x.shape[-1]), h)
         weights = [local[n].weight for n in names]
-        stacked = gptq(torch.cat(weights), _mirror(h), scheme, dtype, cfg, release_h=True)
+        stacked = gptq(torch.cat(weights), fill_lower(h), scheme, dtype, cfg, overwrite_h=True)
         del h
         for n, qw in zip(names, split_rows(stacked, [w.shape[0] for w in weights])):
             local[n].weight.copy_(qw.dequantize(local[n].weight.dtype))
             qweights[n] = qw
 
-    def mid(x: Tensor) -> Tensor:  # the down projection's input
-        y = layer.post_attention_layernorm(x)
-        return mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y)
+    def mid(x: Tensor) -> Iterator[Tensor]:  # the down projection's input, a few calibration rows at a time
+        for piece in x.split(MID_ROWS):
+            y = layer.post_attention_layernorm(piece)
+            yield mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y)
 
     solve(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], (layer.input_layernorm(b.hidden) for b in batches))
     o_in: list[Tensor] = []
@@ -313,9 +309,9 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
     for b in batches:  # x -> h, freeing each attention output as it is used
         b.hidden = b.hidden + attn.o_proj(o_in.pop(0))
     solve(["mlp.gate_proj", "mlp.up_proj"], (layer.post_attention_layernorm(b.hidden) for b in batches))
-    solve(["mlp.down_proj"], (mid(b.hidden) for b in batches))
+    solve(["mlp.down_proj"], (m for b in batches for m in mid(b.hidden)))
     for b in batches:  # h -> the layer's output
-        b.hidden = b.hidden + mlp.down_proj(mid(b.hidden))
+        b.hidden = b.hidden + torch.cat([mlp.down_proj(m) for m in mid(b.hidden)])
     return qweights, batches, kv.amax
 
 

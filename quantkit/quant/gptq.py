@@ -27,42 +27,105 @@ class GPTQConfig:
     max_damp_tries: int = 6  # damping x10 each failed Cholesky, then RTN as the last resort
 
 
-def inverse_hessian_cholesky(h: Tensor, perm: Tensor, diag: Tensor, damp: float, tries: int) -> tuple[Tensor | None, float]:
-    """Upper Cholesky factor of (P H P^T)^-1, inputs permuted by `perm`, with `diag` as H's diagonal (dead inputs'
-    set to 1) and damping raised until it is positive definite; None if never.
+def inverse_hessian_cholesky(h: Tensor, perm: Tensor, diag: Tensor, damp: float, tries: int,
+                             overwrite: bool = False) -> tuple[Tensor | None, float]:
+    """Upper Cholesky factor U of (P H P^T)^-1 (U^T U = the inverse), inputs permuted by `perm`, with `diag` as H's
+    diagonal (dead inputs' set to 1) and damping raised until it is positive definite; None if never.
 
-    One [in, in] buffer beside h does all the work (the permuted copy, its factor, the inverse, the new factor in
-    place): for a 1.5B model's down projection each copy is 321 MB, and a copy per step made GPTQ's peak."""
+    No inverse is formed: with J the reversal, if J A J = M M^T (M lower) then U = J M^-1 J, so one factorization
+    and one triangular inverse, both in place, give U. All of it happens in one [in, in] buffer: h itself with
+    `overwrite`, else a copy (for a 1.5B model's down projection each copy is 321 MB, and a copy per step made
+    GPTQ's peak). The factor is written to the lower triangle only, so H survives in the upper one and a failed
+    attempt (common for down projections, whose inputs' scales span orders of magnitude) retries from there."""
+    work = h if overwrite else h.clone()
+    rev = perm.flip(0)
+    permute_in_place(work, rev)  # J P H P^T J
     mean_diag = diag.mean().item()
-    info = torch.empty((), dtype=torch.int32, device=h.device)
     for _ in range(tries):
-        work = _permuted(h, perm)
-        work.diagonal().copy_(diag[perm] + damp * mean_diag)
-        torch.linalg.cholesky_ex(work, out=(work, info))
-        if info.item() == 0:
-            torch.cholesky_inverse(work, out=work)
-            torch.linalg.cholesky_ex(work, upper=True, out=(work, info))
-            if info.item() == 0:
-                return work, damp
+        work.diagonal().copy_(diag[rev] + damp * mean_diag)
+        if cholesky_lower(work):
+            invert_lower(work)
+            permute_in_place(work.tril_(), torch.arange(len(perm) - 1, -1, -1, device=perm.device))
+            return work, damp
+        fill_lower(work)
         damp *= 10
     return None, damp
 
 
-def _permuted(h: Tensor, perm: Tensor, rows: int = 1024) -> Tensor:
-    """P H P^T as one new tensor: rows gathered, then each block of rows' columns (no [n, n] index tensors)."""
-    out = h.index_select(0, perm)
-    for i in range(0, out.shape[0], rows):
-        out[i : i + rows] = out[i : i + rows].index_select(1, perm)
-    return out
+def cholesky_lower(a: Tensor, block: int = 1024) -> bool:
+    """a = L L^T in place, blocked, L written to the diagonal and lower triangle only: the strictly upper triangle
+    keeps a's values (torch's own factorization zeroes it, even when it fails). False if a is not positive definite."""
+    n = a.shape[0]
+    for k in range(0, n, block):
+        e = min(k + block, n)
+        d = a[k:e, k:e]  # its lower triangle holds the updated Schur complement
+        l, info = torch.linalg.cholesky_ex(d.tril() + d.tril(-1).mT)
+        if info.item() != 0:
+            return False
+        _set_lower(d, l)
+        panel = a[e:, k:e]  # [n - e, b]: becomes L21 = A21 L11^-T
+        panel.copy_(torch.linalg.solve_triangular(l, panel.mT, upper=False).mT)
+        for j in range(e, n, block):  # the trailing lower triangle -= L21 L21^T, a block column at a time
+            je = min(j + block, n)
+            upd = panel[j - e :] @ panel[j - e : je - e].mT  # [n - j, je - j]
+            a[je:, j:je] -= upd[je - j :]
+            a[j:je, j:je] -= upd[: je - j].tril()
+    return True
+
+
+def invert_lower(a: Tensor, block: int = 1024) -> None:
+    """L^-1 in place of the lower triangular L held in a's diagonal and lower triangle (the strictly upper triangle
+    is neither read nor written). Blocked, from the last block column back: a column's blocks below the diagonal
+    need the inverse's trailing part, already done, and the column's own blocks above them, not yet overwritten."""
+    n = a.shape[0]
+    starts = list(range(0, n, block))
+    for k in reversed(starts):
+        e = min(k + block, n)
+        eye = torch.eye(e - k, dtype=a.dtype, device=a.device)
+        inv_kk = torch.linalg.solve_triangular(a[k:e, k:e].tril(), eye, upper=False)
+        for i in reversed([s for s in starts if s >= e]):  # X_ik = -(sum_m X_im L_mk) L_kk^-1, m from e to i
+            ie = min(i + block, n)
+            acc = a[i:ie, i:ie].tril() @ a[i:ie, k:e]
+            if i > e:
+                acc += a[i:ie, e:i] @ a[e:i, k:e]
+            a[i:ie, k:e] = -(acc @ inv_kk)
+        _set_lower(a[k:e, k:e], inv_kk)
+
+
+def _set_lower(d: Tensor, values: Tensor) -> None:
+    """d's diagonal and lower triangle <- values', its strictly upper triangle kept."""
+    d.copy_(torch.where(torch.ones_like(d, dtype=torch.bool).tril(), values, d))
+
+
+def fill_lower(a: Tensor, block: int = 1024) -> Tensor:
+    """Copy a's strictly upper triangle onto its strictly lower one, in place (a symmetric matrix again)."""
+    n = a.shape[0]
+    for i0 in range(0, n, block):
+        i1 = min(i0 + block, n)
+        a[i1:, i0:i1] = a[i0:i1, i1:].mT
+        d = a[i0:i1, i0:i1]
+        d.copy_(d.triu() + d.triu(1).mT)
+    return a
+
+
+def permute_in_place(h: Tensor, perm: Tensor, rows: int = 1024) -> None:
+    """h <- P h P^T with [rows, n] temporaries: each block of rows gathers its own columns (h P^T), then each
+    block of columns its own rows (P h P^T); a block reads only what it writes."""
+    if torch.equal(perm, torch.arange(len(perm), device=perm.device)):
+        return
+    for i in range(0, h.shape[0], rows):
+        h[i : i + rows] = h[i : i + rows].index_select(1, perm)
+    for j in range(0, h.shape[1], rows):
+        h[:, j : j + rows] = h[:, j : j + rows].index_select(0, perm)
 
 
 def gptq(w: Tensor, h: Tensor, scheme: Scheme, scale_dtype: torch.dtype, cfg: GPTQConfig = GPTQConfig(),
-         release_h: bool = False) -> QuantizedWeight:
+         overwrite_h: bool = False) -> QuantizedWeight:
     """w [out, in], h [in, in] float32 (sum of x x^T over calibration tokens) -> QuantizedWeight.
 
-    h is left unchanged, or with `release_h` its storage is freed once factored (every view of it then empty):
-    a layer walk does not need it again, and the factor beside it would otherwise double its memory."""
-    w = w.float().clone()
+    h is left unchanged, or with `overwrite_h` it becomes the factorization's work buffer: a layer walk, which
+    needs it no more, then holds one [in, in] matrix instead of two."""
+    w = w.to(torch.float32, copy=True)
     h = h.float()
     out_f, in_f = w.shape
     dead = torch.diag(h) == 0  # inputs that were always zero: their weights cannot matter
@@ -73,10 +136,8 @@ def gptq(w: Tensor, h: Tensor, scheme: Scheme, scale_dtype: torch.dtype, cfg: GP
     diag = torch.where(dead, torch.ones_like(h.diagonal()), h.diagonal())
     perm = torch.argsort(diag, descending=True) if cfg.actorder else torch.arange(in_f, device=w.device)
     w = w[:, perm]
-    u, _ = inverse_hessian_cholesky(h, perm, diag, cfg.damp, cfg.max_damp_tries)
-    if release_h:
-        h.untyped_storage().resize_(0)
-        del h
+    u, _ = inverse_hessian_cholesky(h, perm, diag, cfg.damp, cfg.max_damp_tries, overwrite_h)
+    del h
     if u is None:
         warnings.warn("GPTQ: the Hessian stayed singular after raising damping; falling back to RTN for this layer")
         return rtn(w[:, torch.argsort(perm)], scheme, scale_dtype)
