@@ -4,7 +4,7 @@ Each item is a haystack of offline filler text (quantkit's held-out split of Pyt
 with one or more needles inserted at a chosen depth, and a question. As in RULER, whose haystacks are one
 set of essays, every item of one length reads the same filler: prompts then share everything up to their
 needle, which a prefix cache computes once (run the deepest needles first and each later item prefills
-only its needle and what follows), about half of the prompt tokens at evenly spread depths. Scoring follows RULER's string
+only its needle and what follows). Scoring follows RULER's string
 match: the fraction of expected strings that appear in the output (case-insensitive); an item counts
 as correct when all of them do.
 """
