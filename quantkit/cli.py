@@ -51,6 +51,9 @@ def quantize(
     kv_cache: str | None = typer.Option(None, "--kv-cache", help="fp8: calibrate static FP8 KV-cache scales."),
     kv_strategy: str | None = typer.Option(None, "--kv-strategy", help="KV scales per 'tensor' or per KV 'head'."),
     actorder: bool | None = typer.Option(None, "--actorder/--no-actorder", help="GPTQ: static activation order."),
+    true_sequential: bool | None = typer.Option(
+        None, "--true-sequential/--no-true-sequential",
+        help="GPTQ: each sublayer's Hessian from the quantized ones before it, or all from the dense layer.  [default: true]"),
     calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin, a .txt/.jsonl/.parquet file, or a hub dataset."),
     calib_samples: int = typer.Option(128, "--calib-samples", help="Calibration rows."),
     calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per calibration row."),
@@ -76,7 +79,8 @@ def quantize(
 
     overrides = {"bits": bits, "group_size": group_size, "method": method, "dtype": dtype,
                  "symmetric": None if asym is None else not asym, "kv_cache": kv_cache, "kv_strategy": kv_strategy,
-                 "actorder": None if actorder is None else ("static" if actorder else "none")}
+                 "actorder": None if actorder is None else ("static" if actorder else "none"),
+                 "true_sequential": true_sequential}
     spec = build_recipe(recipe, overrides, ignore)
     calib_cfg = CalibConfig(calib, calib_samples, calib_seqlen, seed, calib_split, calib_column, chat_template)
     result = run_quantize(model, out, spec, parse_size(max_shard_size), force, Reporter(quiet or as_json), calib_cfg, device)

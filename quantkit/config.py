@@ -62,6 +62,7 @@ class Recipe:
     actorder: str | None = "static"  # GPTQ column order: "static" (by Hessian diagonal) or None
     damp: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added before inverting
     block_size: int = 128  # GPTQ: columns updated together
+    true_sequential: bool = True  # GPTQ: each sublayer's Hessian from the quantized sublayers before it
 
     def scheme(self) -> Scheme | None:
         """The weight scheme, or None when weights stay dense (method none)."""
@@ -81,7 +82,7 @@ class Recipe:
 
 # Fields a recipe file (and the command line) may set, with their checks.
 RECIPE_FIELDS = ("name", "method", "bits", "group_size", "symmetric", "ignore", "dtype", "kv_cache", "kv_strategy",
-                 "actorder", "damp", "block_size")
+                 "actorder", "damp", "block_size", "true_sequential")
 
 
 def _bad(where: str, name: str, msg: str) -> QuantkitError:
@@ -111,7 +112,7 @@ def validate_field(name: str, value: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 8:
             raise _bad(where, name, f"must be a positive multiple of 8, or -1 for per-channel, got {value!r}")
         return value
-    if name == "symmetric":
+    if name in ("symmetric", "true_sequential"):
         if not isinstance(value, bool):
             raise _bad(where, name, f"must be true or false, got {value!r}")
         return value

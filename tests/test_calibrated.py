@@ -153,3 +153,44 @@ def test_gptq_fp8_checkpoint_loads_in_hf_with_kv_scales(tiny_dir, tmp_path, cali
     assert unexpected <= {"model.layers.{0, 1}.self_attn.k_scale", "model.layers.{0, 1}.self_attn.v_scale"}, unexpected
     with torch.no_grad():
         assert torch.isfinite(hf(torch.arange(8).unsqueeze(0)).logits).all()
+
+
+def test_gptq_without_true_sequential_takes_every_hessian_from_the_dense_layer(tiny_dir, calib_file):
+    """--no-true-sequential (llm-compressor's order): layer 0's o/gate/up/down are GPTQ on the dense layer's own
+    inputs. The default (true sequential) feeds o_proj the quantized q/k/v's outputs, so its o_proj differs."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.calib.sequential import _hessian
+    from quantkit.quant.gptq import GPTQConfig, fill_lower, gptq
+    from quantkit.quantize import CALIB_BATCH, compute_dtype
+
+    ids = calib_ids(tiny_dir, calib_file)
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=compute_dtype(torch.bfloat16, "cpu", "gptq"),
+                                                 attn_implementation="sdpa").eval()
+    layer = dense.model.layers[0]
+    inputs = {"self_attn.q_proj": None, "self_attn.o_proj": None, "mlp.gate_proj": None, "mlp.down_proj": None}
+
+    def grab(name):
+        def hook(module, args):
+            inputs[name] = _hessian(args[0].reshape(-1, args[0].shape[-1]), inputs[name])
+        return hook
+
+    hooks = [layer.get_submodule(n).register_forward_pre_hook(grab(n)) for n in inputs]
+    with torch.no_grad():
+        for rows in ids.split(CALIB_BATCH):
+            dense(rows)
+    for h in hooks:
+        h.remove()
+    recipe = build_recipe([], {"method": "gptq", "group_size": 32})
+    cfg = GPTQConfig(block_size=recipe.block_size, damp=recipe.damp, actorder=True)
+    expected = {n: gptq(layer.get_submodule(n).weight, fill_lower(h), recipe.scheme(), torch.bfloat16, cfg).q
+                for n, h in inputs.items() if n != "self_attn.q_proj"}
+
+    def mismatch(results, name):
+        return (results["model.layers.0"].qweights[f"model.layers.0.{name}"].q != expected[name]).float().mean().item()
+
+    _, dense_order = reference(tiny_dir, calib_file, method="gptq", group_size=32, true_sequential=False)
+    _, true_order = reference(tiny_dir, calib_file, method="gptq", group_size=32)
+    for name in expected:  # the same Hessians up to the order of float32 sums: a handful of rounding ties
+        assert mismatch(dense_order, name) < 0.002, name
+    assert mismatch(true_order, "self_attn.o_proj") > 0.02

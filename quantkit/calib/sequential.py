@@ -250,8 +250,9 @@ def propagate(layer: nn.Module, batches: list[Batch], kv_strategy: str | None) -
 @torch.no_grad()
 def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list[Batch], recipe: Recipe,
                     scheme: Scheme, dtype: torch.dtype, kv_strategy: str | None):
-    """GPTQ over one Llama-family layer in a single pass, sublayer by sublayer ("true sequential"): q/k/v,
-    then o, gate/up and down each see the errors of the sublayers quantized before them.
+    """GPTQ over one Llama-family layer. True sequential (the default): q/k/v, then o, gate/up and down, each
+    from the outputs of the sublayers quantized before it. Otherwise (`recipe.true_sequential` False, as
+    llm-compressor does) every Hessian comes from one pass of the dense layer and all are solved after it.
 
     Follows the decoder layer exactly: h = x + o(attn(ln1(x))); out = h + down(act(gate(ln2(h))) * up(ln2(h))).
     Memory is what bounds a layer walk, so the batches are rewritten in place (x becomes h, then out) and the
@@ -262,17 +263,20 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
     attn, mlp = layer.self_attn, layer.mlp
     cfg = GPTQConfig(block_size=recipe.block_size, damp=recipe.damp, actorder=recipe.actorder == "static")
     qweights: dict[str, QuantizedWeight] = {}
+    qkv, o, gate_up, down = (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+                             ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"])
 
-    def solve(names: list[str], xs: Iterator[Tensor]) -> None:
+    def hessian(xs: Iterator[Tensor], h: Tensor | None = None) -> Tensor:
+        for x in xs:
+            h = _hessian(x.reshape(-1, x.shape[-1]), h)
+        return h
+
+    def solve(names: list[str], h: Tensor) -> None:
         names = [n for n in names if n in local]
         if not names:
             return
-        h = None
-        for x in xs:
-            h = _hessian(x.reshape(-1, x.shape[-1]), h)
         weights = [local[n].weight for n in names]
         stacked = gptq(torch.cat(weights), fill_lower(h), scheme, dtype, cfg, overwrite_h=True)
-        del h
         for n, qw in zip(names, split_rows(stacked, [w.shape[0] for w in weights])):
             local[n].weight.copy_(qw.dequantize(local[n].weight.dtype))
             qweights[n] = qw
@@ -282,29 +286,47 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
             y = layer.post_attention_layernorm(piece)
             yield mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y)
 
-    solve(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], (layer.input_layernorm(b.hidden) for b in batches))
-    o_in: list[Tensor] = []
+    def o_input(b: Batch) -> Tensor:  # o_proj's input for one batch, from the current q/k/v
+        got: list[Tensor] = []
 
-    def grab(module, args):
-        o_in.append(args[0])
-        raise _Stop  # o_proj itself runs below, once quantized
+        def grab(module, args):
+            got.append(args[0])
+            raise _Stop  # o_proj itself runs in the caller
 
-    handle = attn.o_proj.register_forward_pre_hook(grab)
-    try:
-        with KVObserver(layer, kv_strategy) as kv:
-            for b in batches:
-                kv.batch = b.kwargs
-                try:
-                    attn(hidden_states=layer.input_layernorm(b.hidden), **b.kwargs)
-                except _Stop:
-                    pass
-    finally:
-        handle.remove()
-    solve(["self_attn.o_proj"], iter(o_in))
+        handle = attn.o_proj.register_forward_pre_hook(grab)
+        try:
+            attn(hidden_states=layer.input_layernorm(b.hidden), **b.kwargs)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        return got[0]
+
+    if not recipe.true_sequential:  # every Hessian from the dense layer, one batch at a time
+        hs: dict[str, Tensor | None] = dict.fromkeys(("qkv", "o", "gate_up", "down"))
+        for b in batches:
+            hs["qkv"] = hessian(iter([layer.input_layernorm(b.hidden)]), hs["qkv"])
+            o_in = o_input(b)
+            hs["o"] = hessian(iter([o_in]), hs["o"])
+            h = b.hidden + attn.o_proj(o_in)
+            hs["gate_up"] = hessian(iter([layer.post_attention_layernorm(h)]), hs["gate_up"])
+            hs["down"] = hessian(mid(h), hs["down"])
+        for names, key in ((qkv, "qkv"), (o, "o"), (gate_up, "gate_up"), (down, "down")):
+            solve(names, hs.pop(key))
+    else:
+        solve(qkv, hessian(layer.input_layernorm(b.hidden) for b in batches))
+    with KVObserver(layer, kv_strategy) as kv:  # q/k/v are quantized by now
+        o_in = []
+        for b in batches:
+            kv.batch = b.kwargs
+            o_in.append(o_input(b))
+    if recipe.true_sequential:
+        solve(o, hessian(iter(o_in)))
     for b in batches:  # x -> h, freeing each attention output as it is used
         b.hidden = b.hidden + attn.o_proj(o_in.pop(0))
-    solve(["mlp.gate_proj", "mlp.up_proj"], (layer.post_attention_layernorm(b.hidden) for b in batches))
-    solve(["mlp.down_proj"], (m for b in batches for m in mid(b.hidden)))
+    if recipe.true_sequential:
+        solve(gate_up, hessian(layer.post_attention_layernorm(b.hidden) for b in batches))
+        solve(down, hessian(m for b in batches for m in mid(b.hidden)))
     for b in batches:  # h -> the layer's output
         b.hidden = b.hidden + torch.cat([mlp.down_proj(m) for m in mid(b.hidden)])
     return qweights, batches, kv.amax
