@@ -10,7 +10,7 @@ after RoPE in that same pass, for the FP8 KV-cache scales.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -131,8 +131,7 @@ def _hessian(x: Tensor, acc: Tensor | None) -> Tensor:
 
     Products are summed in float32 throughout, as llm-compressor's are. A bf16 GEMM would be ~1.8x faster here,
     but it rounds each partial sum to 8 bits of mantissa: on Qwen2.5-Coder-1.5B that left the down projections'
-    Hessians indefinite at the usual damping (the retry at 10x damping weakens GPTQ's correction) and cost
-    3% in KL against llm-compressor's result."""
+    Hessians indefinite at the usual damping, so they were solved with 10x more (a weaker correction)."""
     n = x.shape[-1]
     acc = torch.zeros(n, n, dtype=torch.float32, device=x.device) if acc is None else acc
     blocks = _blocks(n)
@@ -266,7 +265,7 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
     qkv, o, gate_up, down = (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
                              ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"])
 
-    def hessian(xs: Iterator[Tensor], h: Tensor | None = None) -> Tensor:
+    def hessian(xs: Iterable[Tensor], h: Tensor | None = None) -> Tensor:
         for x in xs:
             h = _hessian(x.reshape(-1, x.shape[-1]), h)
         return h
@@ -305,11 +304,11 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
     if not recipe.true_sequential:  # every Hessian from the dense layer, one batch at a time
         hs: dict[str, Tensor | None] = dict.fromkeys(("qkv", "o", "gate_up", "down"))
         for b in batches:
-            hs["qkv"] = hessian(iter([layer.input_layernorm(b.hidden)]), hs["qkv"])
+            hs["qkv"] = hessian([layer.input_layernorm(b.hidden)], hs["qkv"])
             o_in = o_input(b)
-            hs["o"] = hessian(iter([o_in]), hs["o"])
+            hs["o"] = hessian([o_in], hs["o"])
             h = b.hidden + attn.o_proj(o_in)
-            hs["gate_up"] = hessian(iter([layer.post_attention_layernorm(h)]), hs["gate_up"])
+            hs["gate_up"] = hessian([layer.post_attention_layernorm(h)], hs["gate_up"])
             hs["down"] = hessian(mid(h), hs["down"])
         for names, key in ((qkv, "qkv"), (o, "o"), (gate_up, "gate_up"), (down, "down")):
             solve(names, hs.pop(key))
@@ -321,7 +320,7 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
             kv.batch = b.kwargs
             o_in.append(o_input(b))
     if recipe.true_sequential:
-        solve(o, hessian(iter(o_in)))
+        solve(o, hessian(o_in))
     for b in batches:  # x -> h, freeing each attention output as it is used
         b.hidden = b.hidden + attn.o_proj(o_in.pop(0))
     if recipe.true_sequential:
