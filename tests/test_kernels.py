@@ -183,6 +183,7 @@ def test_panel_gemm_matches_reference_and_is_batch_invariant(isa, bits, group, s
     head = bits == 8 and dtype == torch.bfloat16  # bf16: int8 panels for the head only
     lin = Linear(QuantWeight.of(q, scale, zp, bits, group), None, dtype, "packed", fused=True, head=head)
     assert lin.mode == f"int{bits}_panels"
+    assert lin.params.shape[0] == (1 if sym else 2)  # symmetric: no zero plane, the kernels' constant instead
     x = torch.randn(100, 1536, generator=gen).to(dtype)
     w = dequantize(q, scale, zp).double()  # exact: (q - zp) * scale in float32
     want = x.double() @ w.T
@@ -225,17 +226,17 @@ def test_bf16_panel_gemm_lm_head_matches_and_serves_embedding_rows(isa, dtype):
     assert torch.equal(head.rows(ids), w[ids].to(dtype))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_panel_dequant_equals_the_reference_weight(isa, bits):
+@pytest.mark.parametrize("bits, sym", [(4, False), (8, False), (4, True), (8, True)])
+def test_panel_dequant_equals_the_reference_weight(isa, bits, sym):
     """The dense copy prefill-sized float32 inputs multiply: bit for bit the reference's (q - zp) * scale."""
     from quantkit.quant.qparams import dequantize
     from quantkit.runtime.layers.linear import Linear, QuantWeight
 
     fused_ops(isa)
-    gen, q, scale, zp = random_int4(48, 256, 64, False, seed=9)
+    gen, q, scale, zp = random_int4(48, 256, 64, sym, seed=9)
     if bits == 8:
         q = torch.randint(-128, 128, q.shape, generator=gen, dtype=torch.int8)
-        zp = torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
+        zp = None if sym else torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
     lin = Linear(QuantWeight.of(q, scale, zp, bits, 64), None, torch.float32, "packed", fused=True)
     assert torch.equal(fused_ops(isa).panel_dequant_t(lin.packed, lin.params, 64).T, dequantize(q, scale, zp))
 

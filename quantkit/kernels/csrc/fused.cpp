@@ -457,7 +457,8 @@ std::vector<float> group_sums(const X* x, int64_t rows, int64_t group) {  // flo
 
 // x [M, K] (bfloat16 where supported, float32) -> [M, N] in x's dtype, with w either int4 panels uint8 [N/16, K/8, 64]
 // (int8: [N/16, K/8, 128]) and params f32 [2, N/16, K/group, 16] (scales, then 136 + zero points for int4, 2304 + zero
-// points for int8), or bf16 panels [N/16, K/2, 16, 2] and params [2, N/16, 1, 16] (ones, zeros).
+// points for int8; [1, ...], the scales alone, for symmetric weights), or bf16 panels [N/16, K/2, 16, 2] and params
+// [1, N/16, 1, 16] (ones).
 at::Tensor panel_gemm_impl(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group, bool portable) {
   TORCH_CHECK(x_.dim() == 2 && panel_gemm_supports(x_.scalar_type()), "panel_gemm: x must be 2-D float32 (or bfloat16 on AVX-512 BF16)");
   const bool dense = w.scalar_type() == at::kBFloat16;
@@ -466,17 +467,20 @@ at::Tensor panel_gemm_impl(const at::Tensor& x_, const at::Tensor& w, const at::
   const int bits = dense ? 16 : w.size(2) == 8 * panel::kPanel ? 8 : 4;
   TORCH_CHECK(w.is_contiguous() && w.size(1) * (dense ? 2 : 8) == k && w.size(2) == (dense ? 1 : bits) * panel::kPanel &&
                   group % 8 == 0 && k % group == 0 &&
+                  params.is_contiguous() && params.scalar_type() == at::kFloat && params.dim() == 4 &&
+                  (params.size(0) == 1 || params.size(0) == 2) && params.size(1) == w.size(0) &&
                   params.size(2) == groups && params.size(3) == panel::kPanel && (!dense || groups == 1),
               "panel_gemm: weight layout does not match x");
   at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());
   const float* pp = params.data_ptr<float>();
-  const int64_t plane = params.numel() / 2;
+  const float* zero = params.size(0) == 2 ? pp + params.numel() / 2 : nullptr;
+  const float zero_const = panel::symmetric_zero(bits);
   const uint8_t* packed = dense ? nullptr : w.data_ptr<uint8_t>();
   const uint16_t* dw = dense ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr;
   if (x.scalar_type() == at::kFloat) {
     const float* xp = x.data_ptr<float>();
     const std::vector<float> xsum = group_sums(xp, m * groups, group);
-    const panel::Problem<float> pb{xp, packed, dw, xsum.data(), pp, pp + plane, y.data_ptr<float>(), m, k, y.size(1), groups, group};
+    const panel::Problem<float> pb{xp, packed, dw, xsum.data(), pp, zero, y.data_ptr<float>(), m, k, y.size(1), groups, group, zero_const};
 #ifdef QUANTKIT_VEC
     if (!portable) {
       panel::f32::run(pb, bits);
@@ -489,8 +493,8 @@ at::Tensor panel_gemm_impl(const at::Tensor& x_, const at::Tensor& w, const at::
 #if defined(__AVX512BF16__)
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const std::vector<float> xsum = dense ? std::vector<float>(m * groups) : group_sums(xp, m * groups, group);  // bf16 weights: zeros 0
-  panel::bf16::run({xp, packed, dw, xsum.data(), pp, pp + plane, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k,
-                    y.size(1), groups, group}, bits);
+  panel::bf16::run({xp, packed, dw, xsum.data(), pp, zero, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), m, k,
+                    y.size(1), groups, group, zero_const}, bits);
 #endif
   return y;
 }
@@ -532,10 +536,14 @@ at::Tensor panel_dequant_t(const at::Tensor& w, const at::Tensor& params, int64_
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.dim() == 3 && params.is_contiguous(), "panel_dequant_t: int4/int8 panels");
   const int bits = w.size(2) == 8 * panel::kPanel ? 8 : 4;
   const int64_t k = w.size(1) * 8, n = w.size(0) * panel::kPanel, groups = k / group;
-  TORCH_CHECK(k % group == 0 && params.size(2) == groups, "panel_dequant_t: params do not match the weight");
+  TORCH_CHECK(k % group == 0 && params.scalar_type() == at::kFloat && params.dim() == 4 && (params.size(0) == 1 || params.size(0) == 2) &&
+                  params.size(1) == w.size(0) && params.size(2) == groups && params.size(3) == panel::kPanel,
+              "panel_dequant_t: params do not match the weight");
   at::Tensor wt = at::empty({k, n}, params.options());
   const float* pp = params.data_ptr<float>();
-  const panel::Problem<float> pb{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, pp, pp + params.numel() / 2, nullptr, 0, k, n, groups, group};
+  const float* zero = params.size(0) == 2 ? pp + params.numel() / 2 : nullptr;
+  const panel::Problem<float> pb{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, pp, zero, nullptr, 0, k, n, groups, group,
+                                 panel::symmetric_zero(bits)};
 #ifdef QUANTKIT_VEC
   panel::f32::dequant_t(pb, bits, wt.data_ptr<float>());
 #else

@@ -66,7 +66,7 @@ void tile(const Problem& pb, const __m512i* w, int64_t row, int64_t panel) {
     }
     for (int j = 0; j < P; ++j) {
       const int64_t at = ((panel + j) * pb.groups + g) * kPanel;
-      const __m512 s = _mm512_loadu_ps(pb.scale + at), z = _mm512_loadu_ps(pb.zero + at);
+      const __m512 s = _mm512_loadu_ps(pb.scale + at), z = pb.zero ? _mm512_loadu_ps(pb.zero + at) : _mm512_set1_ps(pb.zero_const);
       for (int r = 0; r < R; ++r) {
         const __m512 a = _mm512_fnmadd_ps(z, _mm512_set1_ps(pb.xsum[(row + r) * pb.groups + g]), acc[r][j]);
         out[r][j] = _mm512_fmadd_ps(s, a, out[r][j]);

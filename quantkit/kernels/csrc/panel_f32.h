@@ -130,7 +130,7 @@ void tile(const Problem& pb, const float* w, int64_t row, int64_t panel) {
     for (int j = 0; j < P; ++j)
       for (int h = 0; h < H; ++h) {
         const int64_t at = ((panel + j) * pb.groups + g) * kPanel + kW * h;
-        const vf s = vload(pb.scale + at), z = vsub(vload(pb.zero + at), vset(kBias<V>));
+        const vf s = vload(pb.scale + at), z = vsub(pb.zero ? vload(pb.zero + at) : vset(pb.zero_const), vset(kBias<V>));
         for (int r = 0; r < R; ++r) out[r][j][h] = vfma(s, vfnma(z, vset(pb.xsum[(row + r) * pb.groups + g]), acc[r][j][h]), out[r][j][h]);
       }
   }
@@ -210,7 +210,7 @@ void dequant_t_v(const Problem& pb, float* wt) {
       for (int64_t t = 0; t < pb.k; ++t)
         for (int h = 0; h < H; ++h) {
           const int64_t at = (panel * pb.groups + t / pb.group) * kPanel + kW * h;
-          const vf z = vsub(vload(pb.zero + at), vset(kBias<V>));
+          const vf z = vsub(pb.zero ? vload(pb.zero + at) : vset(pb.zero_const), vset(kBias<V>));
           vstore(wt + t * pb.n + panel * kPanel + kW * h, vmul(vsub(vload(w.data() + t * kPanel + kW * h), z), vload(pb.scale + at)));
         }
     }

@@ -9,7 +9,8 @@
 // Weight layout (repacked at load, formats/pack.py `pack_int4_panels`): panels of 16 output channels,
 //   packed uint8 [N/16, K/8, 64]: 16 little-endian dwords a line, dword c holding channel c's inputs 8L..8L+7 as
 //                u = q + 8 in [0, 15]: input 8L + 2i in bits 4i..4i+3, input 8L + 2i + 1 in bits 16+4i..19+4i
-//   params  f32  [2, N/16, G, 16]: the group scales, then 136 + zero_point
+//   params  f32  [2, N/16, G, 16]: the group scales, then 136 + zero_point; symmetric weights: [1, N/16, G, 16],
+//                the scales alone (the zero plane would be one constant, 136, and is 6% of a decode step's bytes)
 // So one 64-byte load holds four pairs of inputs for the panel, and pair i is (line >> 4i) & 0x000F000F.
 // Each group sums x * (bias + u) in float32 and adds scale * (acc - (bias + 8 + zp) * sum(x)) = scale * sum(x * (q - zp)):
 // bias 128 on AVX-512 BF16 (OR-ing u into the bits of bfloat16 128.0 reads as 128 + u, one op a pair; products of
@@ -46,13 +47,17 @@ struct Problem {
   const uint16_t* dense;  // bf16 panels [N/16, K/2, 16, 2] (else null)
   const float* xsum;      // [M, G] float32 sum of x over each group
   const float* scale;     // [N/16, G, 16]
-  const float* zero;      // [N/16, G, 16]: 136 + zero_point (int4), 2304 + zero_point (int8), 0 (bf16)
+  const float* zero;      // [N/16, G, 16]: 136 + zero_point (int4), 2304 + zero_point (int8), 0 (bf16); null: zero_const
   X* y;                   // [M, N]
   int64_t m, k, n, groups, group;
+  float zero_const;       // every zero when `zero` is null (symmetric weights): symmetric_zero(bits)
 };
 
 // What params' zero plane holds above the float32 kernels' 8 + zp (int4) or 128 + zp (int8): the bfloat16 biases.
 inline float zero_bias(int bits) { return bits == 8 ? 2176.f : bits == 4 ? 128.f : 0.f; }
+
+// The zero plane of symmetric weights (zero point 0), which params then leave out.
+inline float symmetric_zero(int bits) { return bits == 8 ? 2304.f : bits == 4 ? 136.f : 0.f; }
 
 // The pair I (0..3) of line L's nibbles for channel dword d: u of inputs 8L + 2I and 8L + 2I + 1.
 inline uint32_t even_nibble(uint32_t d, int i) { return (d >> (4 * i)) & 15u; }

@@ -63,7 +63,7 @@ inline void run(const Problem& pb, int bits) {
             for (int64_t c = 0; c < kPanel; ++c) acc[c] += x[t] * w[t * kPanel + c];
           const int64_t at = (panel * pb.groups + g) * kPanel;
           const float xs = pb.xsum[row * pb.groups + g];
-          for (int64_t c = 0; c < kPanel; ++c) out[c] += pb.scale[at + c] * (acc[c] - (pb.zero[at + c] - bias) * xs);
+          for (int64_t c = 0; c < kPanel; ++c) out[c] += pb.scale[at + c] * (acc[c] - ((pb.zero ? pb.zero[at + c] : pb.zero_const) - bias) * xs);
         }
         std::memcpy(pb.y + row * pb.n + panel * kPanel, out, sizeof(out));
       }
@@ -81,7 +81,7 @@ inline void dequant_t(const Problem& pb, int bits, float* wt) {
       for (int64_t t = 0; t < pb.k; ++t)
         for (int64_t c = 0; c < kPanel; ++c) {
           const int64_t at = (panel * pb.groups + t / pb.group) * kPanel + c;
-          wt[t * pb.n + panel * kPanel + c] = (w[t * kPanel + c] - (pb.zero[at] - bias)) * pb.scale[at];
+          wt[t * pb.n + panel * kPanel + c] = (w[t * kPanel + c] - ((pb.zero ? pb.zero[at] : pb.zero_const) - bias)) * pb.scale[at];
         }
     }
   });

@@ -92,7 +92,7 @@ class Linear(nn.Module):
             n, k = weight.shape
             self.mode = "bf16_panels"
             self.panels = weight.to(bfloat16).view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()  # [n / 16, k / 2, 16, 2]
-            self.params = torch.stack([torch.ones(n // 16, 1, 16), torch.zeros(n // 16, 1, 16)])  # scale 1, zero 0
+            self.params = torch.ones(1, n // 16, 1, 16)  # scale 1, no zero plane (zero 0)
             return
         if isinstance(weight, Tensor):
             self.weight = weight.to(dtype).contiguous()
@@ -110,15 +110,15 @@ class Linear(nn.Module):
             four = weight.bits == 4
             self.packed = _int4_panels(weight.words) if four else pack_int8_panels(weight.q)  # [out / 16, in / 8, 64 or 128]
             scale = weight.scale.float()  # [out, groups]
-            zero = torch.zeros_like(scale) if weight.zero_point is None else weight.zero_point.float()
-            offset = (136.0 if four else 2304.0) + zero  # see panel_gemm.h
-            params = torch.stack([scale, offset])  # [2, out, groups]
+            # symmetric weights: the scales alone (every zero is the kernel's constant, and not read); see panel_gemm.h
+            planes = [scale] if weight.zero_point is None else [scale, (136.0 if four else 2304.0) + weight.zero_point.float()]
+            params = torch.stack(planes)  # [1 or 2, out, groups]
             if self.group > KERNEL_GROUP and self.group % KERNEL_GROUP == 0:
                 # the kernels sum x * (bias + u) per group: longer groups (per-channel scales) split into groups of
                 # KERNEL_GROUP with the scale repeated, so the sums stay short and the cancellation small
                 params = params.repeat_interleave(self.group // KERNEL_GROUP, dim=2)
                 self.group = KERNEL_GROUP
-            self.params = params.view(2, out_features // 16, 16, -1).transpose(2, 3).contiguous()  # [2, out / 16, groups, 16]
+            self.params = params.view(len(planes), out_features // 16, 16, -1).transpose(2, 3).contiguous()  # [planes, out / 16, groups, 16]
         elif (kernel == "packed" and weight.bits == 4 and dtype != torch.float32
               and cpu.int4_supported(out_features, in_features, weight.group_size)):
             # (float32 engines dequantise once instead: PyTorch's int4 op with float32 activations costs 30x its
