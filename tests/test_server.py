@@ -199,7 +199,8 @@ def test_backpressure_and_graceful_shutdown(smollm2_w4):
     running request still completes and the server exits 0. The 429 is sent only once /metrics shows one request
     running and one waiting (polled, not slept: on a busy machine a thread's request can arrive late), and the
     real 135M model keeps the first one running for seconds, not the fraction of one a tiny model needs."""
-    server = Server(smollm2_w4, "--max-num-seqs", "1", "--max-waiting", "1")
+    # a drain long enough for both requests on a busy machine (the default 30 s is not, with 2 x 300 tokens)
+    server = Server(smollm2_w4, "--max-num-seqs", "1", "--max-waiting", "1", "--drain-seconds", "600")
     body = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     results: dict[int, httpx.Response] = {}
 
@@ -231,6 +232,27 @@ def test_backpressure_and_graceful_shutdown(smollm2_w4):
     total, *parts = (float(x) for x in split.groups())
     assert abs(total - sum(parts)) <= 0.35
 
+
+
+def test_shutdown_after_the_drain_runs_out_aborts_and_exits_0(smollm2_w4):
+    """SIGTERM with a request that cannot finish within --drain-seconds: the server answers it with an error
+    (uvicorn cancels it), closes its event loop, and the engine thread, which may still be stepping that
+    request, goes on to its own shutdown: exit 0, not a crash on the closed loop."""
+    server = Server(smollm2_w4, "--drain-seconds", "1")
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    results: dict[int, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: results.update({0: httpx.post(server.base + "/v1/completions", json=body, timeout=180)}))
+    try:
+        thread.start()
+        deadline = time.monotonic() + 30
+        while server.metrics()["quantkit:num_requests_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        code = server.stop()
+        thread.join()
+    assert code == 0, server.proc.stderr.read()[-2000:]
+    assert results[0].status_code >= 500  # cut off, and said so: not a truncated 200
 
 def test_bench_url_sweep_against_the_server(smollm2_server, smollm2_w4, tmp_path, capsys):
     from tests.conftest import run_cli

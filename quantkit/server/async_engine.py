@@ -150,7 +150,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(prompt, params, rid)
                 except Exception as e:  # noqa: BLE001  (the request fails, the engine goes on)
-                    req.loop.call_soon_threadsafe(req.outputs.put_nowait, e)
+                    _post(req, e)
                     continue
                 req.prompt_tokens = len(prompt)
                 self._requests[rid] = req
@@ -188,4 +188,15 @@ class AsyncEngine:
             return
         if isinstance(item, Exception) or item.finished:
             del self._requests[rid]
+        _post(req, item)
+
+
+def _post(req: _Request, item: RequestOutput | Exception) -> None:
+    """Hand an output to its request's event loop. A closed loop means the HTTP side is gone (a drain that ran
+    out of time cancels its requests and closes the loop while the engine may still be stepping): nobody is
+    left to read the output, and the engine must go on to its own shutdown, not fail on it."""
+    try:
         req.loop.call_soon_threadsafe(req.outputs.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed"
+        if not req.loop.is_closed():
+            raise
