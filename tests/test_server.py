@@ -219,7 +219,7 @@ def test_backpressure_and_graceful_shutdown(smollm2_w4):
         assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
         assert busy.json()["error"]["type"] == "rate_limit_error"
     finally:
-        code = server.stop()
+        code = server.stop(timeout=600)  # as long as the drain: both requests run to the end first
         for t in threads:
             t.join()
     assert code == 0
