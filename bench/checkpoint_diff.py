@@ -102,6 +102,9 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    for path in (args.a, args.b):
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"{path}: not a checkpoint folder (no config.json)")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
