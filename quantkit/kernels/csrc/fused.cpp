@@ -455,6 +455,16 @@ std::vector<float> group_sums(const X* x, int64_t rows, int64_t group) {  // flo
   return out;
 }
 
+// params f32 [1 or 2, N/16, groups, 16] (scales, then the zero plane when there is one) for `panels` weight panels:
+// checked, and the zero plane's start (null for symmetric weights, whose zero is panel::symmetric_zero(bits)).
+const float* panel_zero_plane(const at::Tensor& params, int64_t panels, int64_t groups, const char* op) {
+  TORCH_CHECK(params.is_contiguous() && params.scalar_type() == at::kFloat && params.dim() == 4 &&
+                  (params.size(0) == 1 || params.size(0) == 2) && params.size(1) == panels && params.size(2) == groups &&
+                  params.size(3) == panel::kPanel,
+              op, ": params do not match the weight");
+  return params.size(0) == 2 ? params.data_ptr<float>() + params.numel() / 2 : nullptr;
+}
+
 // x [M, K] (bfloat16 where supported, float32) -> [M, N] in x's dtype, with w either int4 panels uint8 [N/16, K/8, 64]
 // (int8: [N/16, K/8, 128]) and params f32 [2, N/16, K/group, 16] (scales, then 136 + zero points for int4, 2304 + zero
 // points for int8; [1, ...], the scales alone, for symmetric weights), or bf16 panels [N/16, K/2, 16, 2] and params
@@ -466,14 +476,11 @@ at::Tensor panel_gemm_impl(const at::Tensor& x_, const at::Tensor& w, const at::
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
   const int bits = dense ? 16 : w.size(2) == 8 * panel::kPanel ? 8 : 4;
   TORCH_CHECK(w.is_contiguous() && w.size(1) * (dense ? 2 : 8) == k && w.size(2) == (dense ? 1 : bits) * panel::kPanel &&
-                  group % 8 == 0 && k % group == 0 &&
-                  params.is_contiguous() && params.scalar_type() == at::kFloat && params.dim() == 4 &&
-                  (params.size(0) == 1 || params.size(0) == 2) && params.size(1) == w.size(0) &&
-                  params.size(2) == groups && params.size(3) == panel::kPanel && (!dense || groups == 1),
+                  group % 8 == 0 && k % group == 0 && (!dense || groups == 1),
               "panel_gemm: weight layout does not match x");
-  at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());
+  const float* zero = panel_zero_plane(params, w.size(0), groups, "panel_gemm");
   const float* pp = params.data_ptr<float>();
-  const float* zero = params.size(0) == 2 ? pp + params.numel() / 2 : nullptr;
+  at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());
   const float zero_const = panel::symmetric_zero(bits);
   const uint8_t* packed = dense ? nullptr : w.data_ptr<uint8_t>();
   const uint16_t* dw = dense ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr;
@@ -533,16 +540,13 @@ at::Tensor panel_pack_int4(const at::Tensor& words) {
 
 // int4 or int8 panels and their params -> the dense weight transposed, [K, N] float32 (see panel_f32.h).
 at::Tensor panel_dequant_t(const at::Tensor& w, const at::Tensor& params, int64_t group) {
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.dim() == 3 && params.is_contiguous(), "panel_dequant_t: int4/int8 panels");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.dim() == 3, "panel_dequant_t: int4/int8 panels");
   const int bits = w.size(2) == 8 * panel::kPanel ? 8 : 4;
   const int64_t k = w.size(1) * 8, n = w.size(0) * panel::kPanel, groups = k / group;
-  TORCH_CHECK(k % group == 0 && params.scalar_type() == at::kFloat && params.dim() == 4 && (params.size(0) == 1 || params.size(0) == 2) &&
-                  params.size(1) == w.size(0) && params.size(2) == groups && params.size(3) == panel::kPanel,
-              "panel_dequant_t: params do not match the weight");
+  TORCH_CHECK(k % group == 0, "panel_dequant_t: group size does not divide the inputs");
+  const float* zero = panel_zero_plane(params, w.size(0), groups, "panel_dequant_t");
   at::Tensor wt = at::empty({k, n}, params.options());
-  const float* pp = params.data_ptr<float>();
-  const float* zero = params.size(0) == 2 ? pp + params.numel() / 2 : nullptr;
-  const panel::Problem<float> pb{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, pp, zero, nullptr, 0, k, n, groups, group,
+  const panel::Problem<float> pb{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, params.data_ptr<float>(), zero, nullptr, 0, k, n, groups, group,
                                  panel::symmetric_zero(bits)};
 #ifdef QUANTKIT_VEC
   panel::f32::dequant_t(pb, bits, wt.data_ptr<float>());
