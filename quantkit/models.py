@@ -217,25 +217,27 @@ def release_layer(layer: torch.nn.Module) -> None:
     layer.to("meta")
 
 
-# tokenizer_config classes that are their tokenizer.json read as is: for these, transformers' generic fast
-# tokenizer is AutoTokenizer's tokenizer (tests/test_runtime.py checks it on the built-in models) without
-# AutoTokenizer's seconds of importing model configs
-PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast",
-                    "Qwen2Tokenizer", "Qwen2TokenizerFast")
-
-
 def open_tokenizer(path: Path):
-    """The directory's tokenizer, as AutoTokenizer loads it (raises when there is none)."""
-    config = path / "tokenizer_config.json"
-    cls = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
+    """The directory's tokenizer, as AutoTokenizer loads it (raises when there is none): the transformers object,
+    for work that saves it or hands it to transformers."""
+    from quantkit.tokenizer import plain
+
     with _quiet_transformers():
-        if cls in PLAIN_TOKENIZERS and (path / "tokenizer.json").exists():
+        if plain(path):  # AutoTokenizer's tokenizer without its seconds of importing model configs
             from transformers import PreTrainedTokenizerFast
 
             return PreTrainedTokenizerFast.from_pretrained(path)
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
+
+
+def serving_tokenizer(path: Path):
+    """The tokenizer the runtime and the server use: quantkit's `Tokenizer` on tokenizer.json where it equals
+    AutoTokenizer's (no transformers import: a second off every start), else AutoTokenizer's."""
+    from quantkit.tokenizer import Tokenizer, plain
+
+    return Tokenizer(path) if plain(path) else open_tokenizer(path)
 
 
 def load_tokenizer(path: Path):

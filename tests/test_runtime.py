@@ -317,17 +317,31 @@ def test_rotary_equals_hf_for_both_config_layouts_and_scaled_ropes(tmp_path, lay
             assert got.dtype == dtype and torch.equal(got, ref[0])
 
 
+CONVERSATIONS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}],
+    [{"role": "user", "content": "Weather in Paris? ünïcödé 日本語 🙂"},
+     {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+         "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": "{\"temp\": 21}"},
+     {"role": "assistant", "content": "21 degrees."}, {"role": "user", "content": "And Oslo?"}],
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather «here»", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
 @pytest.mark.parametrize("which", ["smollm2_dir", "qwen05_dir"])
-def test_the_quick_tokenizer_is_autotokenizers(request, which):
-    """The runtime loads tokenizer.json through the generic fast tokenizer (seconds faster to start): on the
-    built-in models it must encode, decode and render chat templates (tools included) exactly as AutoTokenizer."""
+def test_the_serving_tokenizer_is_autotokenizers(request, which):
+    """The runtime reads tokenizer.json through `tokenizers` alone and renders the chat template itself (a second
+    faster to start than importing transformers): on the built-in models it must encode, decode and render
+    chat templates (tools, tool calls, tool results) exactly as AutoTokenizer."""
     from transformers import AutoTokenizer
 
-    from quantkit.models import open_tokenizer
+    from quantkit.models import serving_tokenizer
+    from quantkit.tokenizer import Tokenizer
 
     path = request.getfixturevalue(which)
-    ours, auto = open_tokenizer(path), AutoTokenizer.from_pretrained(path)
-    assert type(ours) is not type(auto) or type(auto).__name__ == "TokenizersBackend"
+    ours, auto = serving_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert isinstance(ours, Tokenizer) and len(ours) == len(auto)
     texts = ["Hello world", "  def f(x):\n\treturn x**2  # ünïcödé 日本語 🙂", "<|im_start|>user\nhi<|im_end|>", "7 " * 40]
     for text in texts:
         for special in (False, True):
@@ -335,11 +349,44 @@ def test_the_quick_tokenizer_is_autotokenizers(request, which):
             assert ours(text, add_special_tokens=special)["input_ids"] == ids
             assert ours.decode(ids) == auto.decode(ids)
             assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    for kw in ({}, {"tools": tools}):
-        assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
-                == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw))
+    for messages in CONVERSATIONS:
+        for kw in ({}, {"tools": TOOLS}):
+            for gen in (False, True):
+                want = auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kw)
+                assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kw) == want
+                assert ours.apply_chat_template(messages, add_generation_prompt=gen, **kw) == auto(want, add_special_tokens=False)["input_ids"]
     for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "all_special_ids", "eos_token"):
         assert getattr(ours, attr) == getattr(auto, attr), attr
+
+
+def test_chat_template_helpers_render_as_transformers(tmp_path, smollm2_dir):
+    """A template using what transformers gives templates (tojson with indent and non-ASCII, raise_exception,
+    loop controls, {% generation %}, named templates with tool_use): rendered the same, and the same error."""
+    import shutil
+
+    import jinja2
+    from transformers import AutoTokenizer
+
+    from quantkit.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    default = ("{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+               "{% if loop.index > 3 %}{% break %}{% endif %}{{ bos_token }}{{ m.role }}: "
+               "{% generation %}{{ m.content }}{% endgeneration %}\n{% endfor %}"
+               "{% if add_generation_prompt %}assistant:{% endif %}")
+    tool_use = "{{ tools | tojson(indent=2) }}\n{% for m in messages %}{{ m.content }}{% continue %}{% endfor %}"
+    config = {**__import__("json").loads((smollm2_dir / "tokenizer_config.json").read_text()),
+              "chat_template": [{"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]}
+    (tmp_path / "tokenizer_config.json").write_text(__import__("json").dumps(config))
+    ours, auto = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    messages = CONVERSATIONS[1]
+    for kw in ({}, {"tools": TOOLS}):
+        for gen in (False, True):
+            want = auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kw)
+            assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kw) == want
+    bad = [{"role": "bad", "content": "x"}]
+    with pytest.raises(jinja2.exceptions.TemplateError, match="no bad roles"):
+        ours.apply_chat_template(bad, tokenize=False)
+    with pytest.raises(jinja2.exceptions.TemplateError, match="no bad roles"):
+        auto.apply_chat_template(bad, tokenize=False)

@@ -21,7 +21,7 @@ import torch
 
 from quantkit import QuantkitError
 from quantkit.kernels import fused as fused_kernels
-from quantkit.models import open_tokenizer
+from quantkit.models import serving_tokenizer
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.json_mode import JsonPrefix, choose
 from quantkit.runtime.kv_cache import CacheSpec, KVCache
@@ -87,7 +87,7 @@ class LLMEngine:
         self.model = LlamaModel.load(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
         m = self.model.cfg
         t0 = time.perf_counter()
-        self.tokenizer = tokenizer if tokenizer is not None else open_tokenizer(self.path)
+        self.tokenizer = tokenizer if tokenizer is not None else serving_tokenizer(self.path)
         self.eos = _eos_ids(self.path, self.tokenizer)
         self.context_length = m.max_position
         kv_dtype, scales, self.kv_warning = _kv_dtype(cfg.kv_cache_dtype, self.dtype, self.model.kv_scales, m.num_layers)
