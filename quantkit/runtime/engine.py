@@ -31,6 +31,7 @@ from quantkit.runtime.models.llama import LlamaModel
 from quantkit.runtime.sampler import Sample, SamplingParams, sample_rows, scored
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
 from quantkit.runtime.sequence import Sequence, Status
+from quantkit.runtime.speculative import SpeculativeConfig, ngram_draft
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,6 +50,7 @@ class EngineConfig:
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     lm_head: str = "auto"  # auto (the checkpoint's weights) | int8 (quantized per row at load: faster, changes logits)
     fused: bool = True  # CPU kernels: the fused C++ decode ops (kernels/fused.py), when a compiler can build them here
+    speculative: SpeculativeConfig | None = None  # draft tokens checked in the decode step (runtime/speculative.py)
 
 
 @dataclass(slots=True)
@@ -104,6 +106,9 @@ class LLMEngine:
         self.steps = 0
         self._ids = itertools.count()
         self._pieces: dict[int, str] = {}
+        # speculation counters (vLLM's spec_decode metrics): steps with drafts, draft tokens, accepted, by position
+        k = cfg.speculative.num_tokens if cfg.speculative else 0
+        self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k}
         logging.getLogger("quantkit.runtime").info(self.describe())
 
     def warm_up(self) -> float:
@@ -180,32 +185,74 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if not work:
             return []
+        work = self._draft(work)
         batch, wants, scores = self._batch(work)
         logits = self.model(batch, self.cache)  # [S, vocab]
         outputs = []
         for seq, n in work:
-            seq.computed += n
+            seq.computed += n - len(seq.draft)  # drafted positions count once they are verified
             self.blocks.commit(seq)
         for seq, row, first in scores:  # prompt positions first..: the log-probability of the prompt token after each
             top = seq.params.prompt_logprobs
             lps = logits[row : row + len(seq.prompt) - 1 - first].log_softmax(-1)
             seq.prompt_samples += [scored(lp, seq.prompt[first + i + 1], top) for i, lp in enumerate(lps)]
-        plain = [(seq, row) for seq, row in wants if seq.params.max_tokens and seq.json_state is None]
+        plain = [(seq, row) for seq, row in wants if seq.params.max_tokens and seq.json_state is None and not seq.draft]
         samples = {}
         if plain:
             rows = logits if len(plain) == len(logits) else logits[[row for _, row in plain]]  # (a pure decode: every row)
             drawn = sample_rows(rows, [seq.params for seq, _ in plain], [seq.tokens for seq, _ in plain], [seq.generator for seq, _ in plain])
-            samples = {seq.id: s for (seq, _), s in zip(plain, drawn)}
+            samples = {seq.id: [s] for (seq, _), s in zip(plain, drawn)}
         for seq, row in wants:
             if seq.params.max_tokens == 0:
-                s = None
+                s = []
+            elif seq.draft:
+                s = self._verify(seq, logits[row : row + len(seq.draft) + 1])
             elif seq.json_state is not None:
-                s, seq.json_state = choose(logits[row], seq.params, seq.tokens, seq.generator, seq.json_state, self.piece,
-                                           min(self.eos))
+                one, seq.json_state = choose(logits[row], seq.params, seq.tokens, seq.generator, seq.json_state, self.piece,
+                                             min(self.eos))
+                s = [one]
             else:
                 s = samples[seq.id]
             outputs.append(self._advance(seq, s))
         return outputs
+
+    def _draft(self, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Give decoding sequences their draft tokens (when speculation is on and the batch is small enough):
+        -> the work with each drafted sequence's k+1 positions. Drafts never preempt: a sequence whose blocks
+        cannot grow for them decodes one token as usual."""
+        spec = self.cfg.speculative
+        if spec is None or len(work) > spec.max_batch:
+            return work
+        budget = self.cfg.max_num_batched_tokens - sum(n for _, n in work)
+        out = []
+        for seq, n in work:
+            p = seq.params
+            room = min(spec.num_tokens, p.max_tokens - len(seq.output) - 1, self.max_len - len(seq) - 1, budget)
+            if n == 1 and seq.computed == len(seq) - 1 and seq.json_state is None and room > 0:
+                draft = ngram_draft(seq.tokens, room, spec.ngram_min, spec.ngram_max)
+                if draft and self.blocks.ensure(seq, len(seq) + len(draft)):
+                    seq.draft, n = draft, 1 + len(draft)
+                    self.spec_stats["drafts"] += 1
+                    self.spec_stats["draft_tokens"] += len(draft)
+                    budget -= len(draft)
+            out.append((seq, n))
+        return out
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[Sample]:
+        """Draw from the target's distributions [k+1, vocab] one position at a time, as plain decoding would,
+        keeping drafts while each draw equals its draft: -> the tokens this step adds (accepted drafts, then
+        the first draw that differs, or the bonus token after them all)."""
+        draft, seq.draft = seq.draft, []
+        out: list[Sample] = []
+        for i in range(len(draft) + 1):
+            s = sample_rows(logits[i : i + 1], [seq.params], [seq.tokens + draft[:i]], [seq.generator])[0]
+            out.append(s)
+            if i == len(draft) or s.token != draft[i]:
+                break
+            self.spec_stats["accepted"] += 1
+            self.spec_stats["accepted_per_pos"][i] += 1
+        seq.computed += len(out) - 1  # the accepted drafts' keys and values are already in the cache
+        return out
 
     def _batch(self, work: list[tuple[Sequence, int]]) -> tuple[Batch, list[tuple[Sequence, int]], list[tuple[Sequence, int, int]]]:
         """-> the batch, (sequence, logits row) to sample from, (sequence, first logits row, first prompt
@@ -216,7 +263,8 @@ class LLMEngine:
         for seq, n in work:
             offset, start = len(tokens), seq.computed
             pos = list(range(start, start + n))
-            tokens += seq.tokens[start : start + n]
+            known = seq.tokens + seq.draft
+            tokens += known[start : start + n]
             positions += pos
             slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
             blocks = seq.blocks[: -(-(start + n) // bs)]
@@ -232,9 +280,9 @@ class LLMEngine:
                 if first < upto:
                     scores.append((seq, len(wanted), first))
                     wanted += range(offset + first - start, offset + upto - start)
-            if start + n == len(seq):  # its last known token is in: sample the next one
+            if start + n == len(known):  # its last known token is in: sample the next one (and check drafts)
                 wants.append((seq, len(wanted)))
-                wanted.append(offset + n - 1)
+                wanted += range(offset + n - 1 - len(seq.draft), offset + n)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.cfg.device)
         decodes = None
         if decode_rows:
@@ -242,31 +290,34 @@ class LLMEngine:
             decodes = Decodes(t(decode_rows), t([b + [0] * (width - len(b)) for b in decode_tables]), t(decode_lens))
         return Batch(t(tokens), t(positions), t(slots), seqs, t(wanted), decodes), wants, scores
 
-    def _advance(self, seq: Sequence, s: Sample | None) -> RequestOutput:
-        """Append the sampled token (None: `max_tokens=0`, the prompt only was wanted) and decide whether it finished."""
+    def _advance(self, seq: Sequence, samples: list[Sample]) -> RequestOutput:
+        """Append this step's tokens (none: `max_tokens=0`, the prompt only was wanted; several: accepted drafts)
+        one by one, and decide whether it finished: a stop ends it at that token, the rest is dropped."""
         p = seq.params
-        reason = None
-        if s is None:
-            reason = "length"
-        else:
+        reason = None if samples else "length"
+        before, added = seq.text, []
+        for s in samples:
             seq.output.append(s.token)
             seq.samples.append(s)
+            added.append(s.token)
             if not p.ignore_eos and s.token in self.eos or s.token in p.stop_token_ids:
                 reason = "stop"
-            before = seq.text
-            seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+            if p.stop or reason or s is samples[-1]:
+                seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
             for stop in p.stop:
                 if (at := seq.text.find(stop, max(len(before) - len(stop), 0))) >= 0:
                     seq.text, reason = seq.text[:at], "stop"
                     break
             if reason is None and (len(seq.output) >= p.max_tokens or len(seq) >= self.max_len):
                 reason = "length"
+            if reason:
+                break
         if reason:
             self.scheduler.finish(seq, reason)
             self.seqs.pop(seq.id, None)
         shown = seq.text if reason else _settled(seq.text, p.stop)
         delta, seq.emitted = shown[seq.emitted :], max(seq.emitted, len(shown))
-        return RequestOutput(seq.id, list(seq.output), [] if s is None else [s.token], seq.text, delta, reason is not None,
+        return RequestOutput(seq.id, list(seq.output), added, seq.text, delta, reason is not None,
                              reason, len(seq.prompt), list(seq.samples), list(seq.prompt_samples))
 
     def piece(self, token: int) -> str:

@@ -34,6 +34,7 @@ class Sequence:
     emitted: int = 0  # characters of `text` reported so far (a partial UTF-8 character waits for its rest)
     generator: torch.Generator | None = None
     json_state: JsonPrefix | None = None  # with params.json_object: the JSON written so far, as parser state
+    draft: list[int] = field(default_factory=list)  # speculative tokens being verified this step (not yet output)
 
     @property
     def tokens(self) -> list[int]:

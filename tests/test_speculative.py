@@ -1,0 +1,95 @@
+"""Speculative decoding (n-gram drafts): lossless against the plain engine and HF, under continuous batching,
+chunked prefill and preemption; seeded sampling draws the same tokens; the counters count."""
+
+import pytest
+import torch
+
+from quantkit import QuantkitError
+from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
+from quantkit.runtime import engine as engine_module
+from quantkit.runtime.speculative import SpeculativeConfig, ngram_draft
+from tests.test_runtime import PROMPTS, hf_greedy, run_staggered
+
+# prompts that repeat themselves, so prompt lookup has something to propose
+LOOPY = [[1] + ([(11 * i + j) % 50 + 4 for j in range(6)] * 5)[: 12 + 5 * i] for i in range(6)] + PROMPTS[:3]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def test_ngram_draft_proposes_what_followed_the_latest_match():
+    assert ngram_draft([5, 6, 7, 8, 9, 5, 6], 3, 2, 4) == [7, 8, 9]
+    assert ngram_draft([5, 6, 7, 1, 5, 6, 2, 5, 6], 2, 2, 4) == [2, 5]  # the latest occurrence wins
+    assert ngram_draft([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 2, 2, 3) == [9, 2]  # the longest n-gram first (1 2 3)
+    assert ngram_draft([1, 2, 3, 4], 3, 2, 4) == []  # nothing recurs
+    assert ngram_draft([7, 7, 7], 4, 1, 2) == [7]  # a run: what followed the earlier 7 7
+
+
+@pytest.fixture(scope="module")
+def hf_loopy(tiny_dir):
+    return hf_greedy(tiny_dir, LOOPY, 24)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(max_num_batched_tokens=16),  # prompts in chunks, mixed with verifications
+    dict(kv_cache_memory=6 * 16384),  # preemption by recompute while drafts hold blocks
+    dict(block_size=4, max_num_seqs=3),
+])
+def test_greedy_with_ngram_drafts_matches_hf(tiny_dir, hf_loopy, cfg):
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=4, ngram_min=1), **cfg))
+    assert run_staggered(engine, LOOPY, GREEDY) == hf_loopy
+    assert engine.blocks.num_used == 0 and not engine.has_unfinished()
+    stats = engine.spec_stats
+    assert stats["drafts"] > 0 and 0 < stats["accepted"] <= stats["draft_tokens"]
+    assert sum(stats["accepted_per_pos"]) == stats["accepted"]
+    if "kv_cache_memory" in cfg:
+        assert engine.scheduler.preemptions > 0
+
+
+def test_bad_drafts_change_nothing(tiny_dir, hf_loopy, monkeypatch):
+    """Drafts that are random tokens are all but always rejected: the output is still the target's."""
+    rng = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(engine_module, "ngram_draft",
+                        lambda tokens, k, lo, hi: torch.randint(4, 250, (k,), generator=rng).tolist())
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=3)))
+    assert run_staggered(engine, LOOPY, GREEDY) == hf_loopy
+    assert engine.spec_stats["draft_tokens"] > 100
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(tiny_dir):
+    """Each output token is one draw from the target's distribution in the same order as plain decoding, so a
+    seeded request gives the same tokens (the sampler, penalties and stop conditions included)."""
+    params = [SamplingParams(max_tokens=30, temperature=t, top_k=k, seed=s, ignore_eos=True, repetition_penalty=r, logprobs=2)
+              for s, (t, k, r) in enumerate([(0.7, 0, 1.0), (1.0, 20, 1.0), (0.5, 0, 1.3), (0.0, 0, 1.2)])]
+    outs = {}
+    for spec in (None, SpeculativeConfig(num_tokens=5, ngram_min=1)):
+        engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=spec))
+        ids = [engine.add_request(LOOPY[i], p) for i, p in enumerate(params)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.id: o for o in engine.step() if o.finished})
+        outs[spec is None] = [done[i] for i in ids]
+        if spec:
+            assert engine.spec_stats["accepted"] > 0
+    for plain, drafted in zip(outs[True], outs[False]):
+        assert drafted.token_ids == plain.token_ids
+        for a, b in zip(drafted.samples, plain.samples):
+            assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_stop_strings_and_max_tokens_cut_inside_an_accepted_run(tiny_dir):
+    """A stop id or max_tokens reached in the middle of accepted drafts ends the output there."""
+    plain = LLMEngine(tiny_dir, EngineConfig(dtype="fp32"))
+    spec = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=8, ngram_min=1)))
+    full = run_staggered(plain, LOOPY[:4], GREEDY)
+    for i, out in enumerate(full):
+        stop = out[len(out) // 2]
+        for params in (SamplingParams(max_tokens=7 + i, ignore_eos=True), SamplingParams(max_tokens=24, stop_token_ids=[stop])):
+            assert run_staggered(spec, [LOOPY[i]], params) == run_staggered(plain, [LOOPY[i]], params)
+
+
+def test_bad_speculative_settings_are_one_clear_error():
+    for kw, msg in [(dict(num_tokens=0), "1..16"), (dict(num_tokens=17), "1..16"), (dict(ngram_min=3, ngram_max=2), "n-gram"),
+                    (dict(method="eagle"), "use ngram")]:
+        with pytest.raises(QuantkitError, match=msg):
+            SpeculativeConfig(**kw)
