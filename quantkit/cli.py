@@ -285,6 +285,11 @@ def serve(
     drain_seconds: int = typer.Option(30, "--drain-seconds", help="On SIGINT/SIGTERM, let in-flight requests finish this long, then abort them."),
     lm_head: str = typer.Option("auto", "--lm-head", help="auto (the checkpoint's weights) or int8 (quantized per row at load: "
                                 "faster decode, slightly different logits)."),
+    speculative: str | None = typer.Option(None, "--speculative", help="Draft tokens checked in each decode step: ngram (prompt lookup)."),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="With --speculative: draft tokens per step (1-16)."),
+    ngram_min: int = typer.Option(2, "--ngram-min", help="With --speculative ngram: shortest suffix looked up in the context."),
+    ngram_max: int = typer.Option(4, "--ngram-max", help="With --speculative ngram: longest suffix looked up (tried first)."),
+    speculative_max_batch: int = typer.Option(8, "--speculative-max-batch", help="With --speculative: no drafts when more sequences run."),
     debug: bool = DEBUG,
 ) -> None:
     """Serve a checkpoint with an OpenAI-compatible API (chat, completions, streaming, tools) on quantkit's engine."""
@@ -303,9 +308,17 @@ def serve(
     name = served_model_name or (model if not Path(model).exists() else Path(model).resolve().name)
     memory = None if kv_cache_memory is None else int(kv_cache_memory * 2**30)
     engine_cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, kernel=kernel,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, lm_head=lm_head)
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, lm_head=lm_head,
+                              speculative=_speculative(speculative, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch))
     _port_free(host, port)
     run(path, engine_cfg, ServerConfig(name, api_key, max_waiting), host, port, drain_seconds, announce=ui.note)
+
+
+def _speculative(method: str | None, k: int, n_min: int, n_max: int, max_batch: int):
+    """The --speculative options as the engine's config (None: off); bad values are one clear error."""
+    from quantkit.runtime.speculative import SpeculativeConfig
+
+    return None if method is None else SpeculativeConfig(method, k, n_min, n_max, max_batch)
 
 
 def _port_free(host: str, port: int) -> None:
@@ -338,6 +351,11 @@ def bench(
     kernel: str = typer.Option("auto", "--kernel", help="auto (triton on CUDA, packed on CPU), packed, dense, reference or triton."),
     lm_head: str = typer.Option("auto", "--lm-head", help="Offline: auto (the checkpoint's) or int8 (quantized per row at load)."),
     repeats: int = typer.Option(3, "--repeats", help="Offline: runs per system and batch size; the table shows the median run."),
+    speculative: str | None = typer.Option(None, "--speculative", help="Offline: draft tokens checked in each decode step: ngram (prompt lookup)."),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Offline, with --speculative: draft tokens per step (1-16)."),
+    ngram_min: int = typer.Option(2, "--ngram-min", help="Offline, with --speculative ngram: shortest suffix looked up in the context."),
+    ngram_max: int = typer.Option(4, "--ngram-max", help="Offline, with --speculative ngram: longest suffix looked up (tried first)."),
+    speculative_max_batch: int = typer.Option(8, "--speculative-max-batch", help="Offline, with --speculative: no drafts when more sequences run."),
     hf: bool = typer.Option(False, "--hf", help="Also run HF transformers generate on the same workload."),
     llama_cpp: Path | None = typer.Option(None, "--llama-cpp", help="Also run this GGUF in llama.cpp (llama-cpp-python)."),
     model: str | None = typer.Option(None, "--model", help="URL mode: the model name to send.  [default: the first in GET /v1/models]"),
@@ -371,6 +389,7 @@ def bench(
     )
     from quantkit.models import resolve
     from quantkit.runtime import EngineConfig, LLMEngine
+    from quantkit.runtime.speculative import acceptance
 
     if offline is not None and url is not None:
         raise QuantkitError("give a server URL or --offline MODEL, not both")
@@ -389,13 +408,14 @@ def bench(
         raise QuantkitError("--batch-sizes, --input-len must be >= 1 and --output-len >= 2")
     ui = Reporter(quiet or as_json)
     path = resolve(offline, status=ui.note, bar=ui.bar).path
-    results, kv = [], {}
+    results, kv, accepted = [], {}, {}
+    spec = _speculative(speculative, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch)
     if repeats < 1:
         raise QuantkitError("--repeats must be >= 1")
     for b in sizes:
         w = Workload(b, input_len, output_len)
         engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
-                                              max_num_batched_tokens=max(2048, input_len), lm_head=lm_head))
+                                              max_num_batched_tokens=max(2048, input_len), lm_head=lm_head, speculative=spec))
         ui.note(engine.describe())
         engine.warm_up()
         load = {k: round(v, 3) for k, v in engine.timings.items()}
@@ -413,9 +433,11 @@ def bench(
                     runs.setdefault("llama.cpp", []).append(run_llama_cpp(llama_cpp, w, prompts, torch_threads()))
         results += [median_run(r) for r in runs.values()]
         kv = kv_tokens_per_gib(engine)
+        if spec is not None:
+            accepted[b] = acceptance(engine.spec_stats)  # over all of this batch size's runs
     if as_json:
         print(json.dumps({"model": offline, "repeats": repeats, "load_s": load, "kv_tokens_per_gib": kv,
-                          "results": [r.to_dict() for r in results]}, indent=2))
+                          "results": [r.to_dict() for r in results], "speculative": accepted or None}, indent=2))
         return
     if quiet:
         return
@@ -428,6 +450,9 @@ def bench(
                       f"{r.prefill_tok_s:.0f}", f"{r.output_tok_s:.1f}", f"{r.decode_tok_s:.1f}", f"{ratio:.2f}x")
     stdout.print(table)
     stdout.print(f"KV cache tokens per GiB: {kv['fp16']:,} at fp16, {kv['fp8']:,} at FP8")
+    for b, a in accepted.items():
+        stdout.print(f"speculative ({spec.method}, k={spec.num_tokens}), batch {b}: acceptance rate {a['acceptance_rate']:.2f}, "
+                     f"{a['mean_acceptance_length']:.2f} tokens per verifying step, {a['drafts']:,} verifying steps")
 
 
 def _bench_url(cfg, sweep: str | None, plot: Path | None, tokenizer: str, as_json: bool, quiet: bool) -> None:

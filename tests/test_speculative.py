@@ -93,3 +93,52 @@ def test_bad_speculative_settings_are_one_clear_error():
                     (dict(method="eagle"), "use ngram")]:
         with pytest.raises(QuantkitError, match=msg):
             SpeculativeConfig(**kw)
+
+
+def copy_prompts(path, n: int) -> list[list[int]]:
+    """Chat prompts that ask SmolLM2 to repeat, or lightly edit, a passage of the built-in held-out text: the
+    copy-heavy work prompt lookup is for."""
+    from quantkit.calib.data import builtin_texts
+    from quantkit.models import serving_tokenizer
+
+    tok = serving_tokenizer(path)
+    texts = [t for t in builtin_texts("eval") if len(t) > 300]
+    asks = ["Repeat this text exactly:", "Copy the text below, word for word:", "Rewrite this text with every 'the' in capitals:"]
+    return [tok.apply_chat_template([{"role": "user", "content": f"{asks[i % 3]}\n\n{texts[i % len(texts)][:400]}"}],
+                                    add_generation_prompt=True) for i in range(n)]
+
+
+def test_smollm2_greedy_is_token_identical_with_ngram_drafts(smollm2_w4):
+    """20 copy-heavy prompts x 64 tokens under continuous batching (float32: outputs that do not depend on how
+    rows were batched), with and without drafts."""
+    prompts = copy_prompts(smollm2_w4, 20)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    outs, stats = {}, None
+    for spec in (None, SpeculativeConfig(num_tokens=4, max_batch=32)):
+        engine = LLMEngine(smollm2_w4, EngineConfig(dtype="fp32", kv_cache_memory=256 << 20, speculative=spec))
+        outs[spec is None] = run_staggered(engine, prompts, params, every=3)
+        stats = engine.spec_stats
+    assert outs[False] == outs[True]
+    assert stats["accepted"] > 0.3 * stats["draft_tokens"]  # copying: most drafts are right
+
+
+def test_served_with_ngram_drafts_answers_as_without_and_counts(smollm2_w4, smollm2_server):
+    """`quantkit serve --speculative ngram`: the same greedy answer as the plain server, and vLLM's four
+    spec_decode counters in /metrics."""
+    from tests.conftest import Server
+
+    from quantkit.calib.data import builtin_texts
+
+    passage = next(t for t in builtin_texts("eval") if len(t) > 300)[:400]
+    messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]
+    server = Server(smollm2_w4, "--dtype", "fp32", "--kv-cache-memory", "0.5", "--speculative", "ngram")
+    try:
+        answers = [s.client().chat.completions.create(model=m, messages=messages, max_tokens=80, temperature=0).choices[0].message.content
+                   for s, m in ((server, "smollm2-w4"), (smollm2_server, "smollm2-w4"))]
+        assert answers[0] == answers[1]
+        m = server.metrics()
+        assert m["quantkit:spec_decode_num_drafts_total"] > 0
+        assert 0 < m["quantkit:spec_decode_num_accepted_tokens_total"] <= m["quantkit:spec_decode_num_draft_tokens_total"]
+        assert "quantkit:spec_decode_num_accepted_tokens_per_pos_total" in m
+    finally:
+        assert server.stop() == 0

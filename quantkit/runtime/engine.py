@@ -106,9 +106,7 @@ class LLMEngine:
         self.steps = 0
         self._ids = itertools.count()
         self._pieces: dict[int, str] = {}
-        # speculation counters (vLLM's spec_decode metrics): steps with drafts, draft tokens, accepted, by position
-        k = cfg.speculative.num_tokens if cfg.speculative else 0
-        self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k}
+        self.spec_stats = self._no_spec_stats()
         logging.getLogger("quantkit.runtime").info(self.describe())
 
     def warm_up(self) -> float:
@@ -121,6 +119,7 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         self.steps = self.blocks.queries = self.blocks.hits = 0  # nothing of it in the served metrics
+        self.spec_stats = self._no_spec_stats()
         self.timings["warm-up"] = time.perf_counter() - t0
         return self.timings["warm-up"]
 
@@ -146,7 +145,9 @@ class LLMEngine:
         return (f"KV cache: {self.cache.tokens:,} tokens ({self.cache.num_blocks:,} blocks of {spec.block_size}, {dtype}, "
                 f"{self.cache.num_blocks * spec.bytes_per_block / 2**20:,.0f} MiB); kernels: {self.cfg.kernel}"
                 f"{' + ' + fused_kernels.describe() if self.model.fused else ''} on {self.cfg.device}, "
-                f"{str(self.dtype).removeprefix('torch.')} activations{_dtype_reason(self.cfg, self.dtype)}")
+                f"{str(self.dtype).removeprefix('torch.')} activations{_dtype_reason(self.cfg, self.dtype)}"
+                + (f"; speculative: {spec.method}, {spec.num_tokens} draft tokens (n-grams {spec.ngram_min}-{spec.ngram_max}), "
+                   f"off above {spec.max_batch} sequences" if (spec := self.cfg.speculative) else ""))
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -215,6 +216,12 @@ class LLMEngine:
                 s = samples[seq.id]
             outputs.append(self._advance(seq, s))
         return outputs
+
+    def _no_spec_stats(self) -> dict:
+        """Speculation counters (vLLM's spec_decode metrics): sequence steps with drafts, draft tokens, accepted
+        tokens, accepted tokens by draft position."""
+        k = self.cfg.speculative.num_tokens if self.cfg.speculative else 0
+        return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k}
 
     def _draft(self, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Give decoding sequences their draft tokens (when speculation is on and the batch is small enough):
@@ -330,7 +337,9 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": len(self.blocks.refs),
                 "prefix_cache_queries": self.blocks.queries, "prefix_cache_hits": self.blocks.hits,
-                "preemptions": self.scheduler.preemptions}
+                "preemptions": self.scheduler.preemptions, "spec_drafts": self.spec_stats["drafts"],
+                "spec_draft_tokens": self.spec_stats["draft_tokens"], "spec_accepted_tokens": self.spec_stats["accepted"],
+                "spec_accepted_per_pos": tuple(self.spec_stats["accepted_per_pos"])}
 
 
 class LLM:

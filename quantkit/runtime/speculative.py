@@ -57,3 +57,14 @@ def ngram_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
             start = int(hits[-1]) + n  # what followed the latest occurrence
             return tokens[start : start + k]
     return []
+
+
+def acceptance(stats: dict) -> dict:
+    """The engine's speculation counters as rates: acceptance rate (accepted / drafted tokens), mean acceptance
+    length (tokens a verifying step adds: accepted drafts plus the one drawn token), and per draft position the
+    fraction of verifying steps that accepted it."""
+    drafts, tokens, accepted = stats["drafts"], stats["draft_tokens"], stats["accepted"]
+    return {"drafts": drafts, "draft_tokens": tokens, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / tokens if tokens else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "accepted_per_pos": [n / drafts if drafts else 0.0 for n in stats["accepted_per_pos"]]}

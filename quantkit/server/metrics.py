@@ -60,10 +60,17 @@ class Metrics:
             ("prompt_tokens_total", "counter", "Prompt tokens admitted.", self.prompt_tokens),
             ("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
             ("request_rejected_total", "counter", "Requests answered 429 (waiting queue full).", rejected),
+            ("spec_decode_num_drafts_total", "counter", "Sequence steps that verified draft tokens.", snapshot.spec_drafts),
+            ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.", snapshot.spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", snapshot.spec_accepted_tokens),
         ]
         out = []
         for name, kind, help_, value in gauges:
             out += [f"# HELP quantkit:{name} {help_}", f"# TYPE quantkit:{name} {kind}", f"quantkit:{name}{{{lab}}} {value}"]
+        out += ["# HELP quantkit:spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted, by draft position.",
+                "# TYPE quantkit:spec_decode_num_accepted_tokens_per_pos_total counter"]
+        out += [f'quantkit:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {n}'
+                for i, n in enumerate(snapshot.spec_accepted_per_pos)]
         out += ["# HELP quantkit:request_success_total Finished requests by reason.", "# TYPE quantkit:request_success_total counter"]
         out += [f'quantkit:request_success_total{{{lab},finished_reason="{r}"}} {n}' for r, n in sorted(self.finish_reasons.items())]
         for name, hist, help_ in [("time_to_first_token_seconds", self.ttft, "Time to first token."),
