@@ -106,7 +106,7 @@ class LLMEngine:
         self.steps = 0
         self._ids = itertools.count()
         self._pieces: dict[int, str] = {}
-        self.spec_stats = self._no_spec_stats()
+        self.reset_spec_stats()
         logging.getLogger("quantkit.runtime").info(self.describe())
 
     def warm_up(self) -> float:
@@ -119,7 +119,7 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         self.steps = self.blocks.queries = self.blocks.hits = 0  # nothing of it in the served metrics
-        self.spec_stats = self._no_spec_stats()
+        self.reset_spec_stats()
         self.timings["warm-up"] = time.perf_counter() - t0
         return self.timings["warm-up"]
 
@@ -217,11 +217,11 @@ class LLMEngine:
             outputs.append(self._advance(seq, s))
         return outputs
 
-    def _no_spec_stats(self) -> dict:
-        """Speculation counters (vLLM's spec_decode metrics): sequence steps with drafts, draft tokens, accepted
-        tokens, accepted tokens by draft position."""
+    def reset_spec_stats(self) -> None:
+        """Zero the speculation counters (vLLM's spec_decode metrics): sequence steps with drafts, draft tokens,
+        accepted tokens, accepted tokens by draft position."""
         k = self.cfg.speculative.num_tokens if self.cfg.speculative else 0
-        return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k}
+        self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k}
 
     def _draft(self, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Give decoding sequences their draft tokens (when speculation is on and the batch is small enough):
