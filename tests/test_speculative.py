@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from quantkit import QuantkitError
+from quantkit.kernels.fused import native_bf16
 from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
 from quantkit.runtime import engine as engine_module
 from quantkit.runtime.speculative import SpeculativeConfig, ngram_draft
@@ -108,14 +109,18 @@ def copy_prompts(path, n: int) -> list[list[int]]:
                                     add_generation_prompt=True) for i in range(n)]
 
 
-def test_smollm2_greedy_is_token_identical_with_ngram_drafts(smollm2_w4):
-    """20 copy-heavy prompts x 64 tokens under continuous batching (float32: outputs that do not depend on how
-    rows were batched), with and without drafts."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_smollm2_greedy_is_token_identical_with_ngram_drafts(smollm2_w4, dtype):
+    """20 copy-heavy prompts x 64 tokens under continuous batching, with and without drafts: a verification's
+    positions run as decode rows through the same batch-invariant kernels, so not even bf16 roundings differ
+    (bf16 where the CPU has native bf16 dot products: elsewhere the engine computes in float32)."""
+    if dtype == "bf16" and not native_bf16():
+        pytest.skip("bf16 activations only on CPUs with AVX512_BF16 or AMX")
     prompts = copy_prompts(smollm2_w4, 20)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     outs, stats = {}, None
     for spec in (None, SpeculativeConfig(num_tokens=4, max_batch=32)):
-        engine = LLMEngine(smollm2_w4, EngineConfig(dtype="fp32", kv_cache_memory=256 << 20, speculative=spec))
+        engine = LLMEngine(smollm2_w4, EngineConfig(dtype=dtype, kv_cache_memory=256 << 20, speculative=spec))
         outs[spec is None] = run_staggered(engine, prompts, params, every=3)
         stats = engine.spec_stats
     assert outs[False] == outs[True]

@@ -250,9 +250,12 @@ class LLMEngine:
         keeping drafts while each draw equals its draft: -> the tokens this step adds (accepted drafts, then
         the first draw that differs, or the bonus token after them all)."""
         draft, seq.draft = seq.draft, []
+        rows, seen = len(draft) + 1, [seq.tokens + draft[:i] for i in range(len(draft) + 1)]
+        # greedy draws need no generator: all rows at once; a random draw waits for the one before it (same order)
+        drawn = sample_rows(logits, [seq.params] * rows, seen, [None] * rows) if seq.params.greedy else None
         out: list[Sample] = []
-        for i in range(len(draft) + 1):
-            s = sample_rows(logits[i : i + 1], [seq.params], [seq.tokens + draft[:i]], [seq.generator])[0]
+        for i in range(rows):
+            s = drawn[i] if drawn else sample_rows(logits[i : i + 1], [seq.params], [seen[i]], [seq.generator])[0]
             out.append(s)
             if i == len(draft) or s.token != draft[i]:
                 break
@@ -275,10 +278,10 @@ class LLMEngine:
             positions += pos
             slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
             blocks = seq.blocks[: -(-(start + n) // bs)]
-            if n == 1:
-                decode_rows.append(offset)
-                decode_tables.append(blocks)
-                decode_lens.append(start + 1)
+            if n == 1 or seq.draft:  # a verification's positions attend as decodes do: the same kernels, the same roundings
+                decode_rows += range(offset, offset + n)
+                decode_tables += [blocks] * n
+                decode_lens += range(start + 1, start + n + 1)
             else:
                 seqs.append(SeqSlice(offset, n, start, torch.tensor(blocks, dtype=torch.long)))
             if seq.params.prompt_logprobs is not None:

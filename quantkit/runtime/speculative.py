@@ -2,7 +2,9 @@
 
 A decode step reads every weight once for one token per sequence; it costs about the same for a few more
 positions. So a sequence that has drafted d1..dk feeds [last, d1..dk] as k+1 causal positions over its paged
-KV cache and gets k+1 next-token distributions p0..pk. The engine then draws from them in order, exactly as
+KV cache and gets k+1 next-token distributions p0..pk. The positions run as k+1 decode rows (each attending
+to the keys up to its own, all stored first): the kernels plain decoding uses, which are batch-invariant, so
+the distributions are the ones plain decoding would compute, to the bit. The engine then draws from them in order, exactly as
 it would have one step at a time (same sampler, same generator draws), and keeps the drafts while each draw
 equals the draft: for a deterministic draft that accepts d with probability p(d) and, on a mismatch, has
 drawn from p with d excluded, so the output's distribution (and, seeded, the output itself) is the target's.
