@@ -286,6 +286,7 @@ def serve(
     lm_head: str = typer.Option("auto", "--lm-head", help="auto (the checkpoint's weights) or int8 (quantized per row at load: "
                                 "faster decode, slightly different logits)."),
     speculative: str | None = typer.Option(None, "--speculative", help="Draft tokens checked in each decode step: ngram (prompt lookup)."),
+    draft: str | None = typer.Option(None, "--draft", help="Draft tokens from this model (same tokenizer, smaller: e.g. the target's W4)."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="With --speculative: draft tokens per step (1-16)."),
     ngram_min: int = typer.Option(2, "--ngram-min", help="With --speculative ngram: shortest suffix looked up in the context."),
     ngram_max: int = typer.Option(4, "--ngram-max", help="With --speculative ngram: longest suffix looked up (tried first)."),
@@ -309,15 +310,20 @@ def serve(
     memory = None if kv_cache_memory is None else int(kv_cache_memory * 2**30)
     engine_cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, kernel=kernel,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, lm_head=lm_head,
-                              speculative=_speculative(speculative, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch))
+                              speculative=_speculative(speculative, draft, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch))
     _port_free(host, port)
     run(path, engine_cfg, ServerConfig(name, api_key, max_waiting), host, port, drain_seconds, announce=ui.note)
 
 
-def _speculative(method: str | None, k: int, n_min: int, n_max: int, max_batch: int):
-    """The --speculative options as the engine's config (None: off); bad values are one clear error."""
+def _speculative(method: str | None, draft: str | None, k: int, n_min: int, n_max: int, max_batch: int):
+    """The --speculative / --draft options as the engine's config (None: off); bad values are one clear error."""
+    from quantkit import QuantkitError
     from quantkit.runtime.speculative import SpeculativeConfig
 
+    if method is not None and draft is not None:
+        raise QuantkitError("--speculative ngram and --draft MODEL are two kinds of drafts: give one")
+    if draft is not None:
+        return SpeculativeConfig("draft", k, n_min, n_max, max_batch, model=draft)
     return None if method is None else SpeculativeConfig(method, k, n_min, n_max, max_batch)
 
 
@@ -352,6 +358,7 @@ def bench(
     lm_head: str = typer.Option("auto", "--lm-head", help="Offline: auto (the checkpoint's) or int8 (quantized per row at load)."),
     repeats: int = typer.Option(3, "--repeats", help="Offline: runs per system and batch size; the table shows the median run."),
     speculative: str | None = typer.Option(None, "--speculative", help="Offline: draft tokens checked in each decode step: ngram (prompt lookup)."),
+    draft: str | None = typer.Option(None, "--draft", help="Offline: draft tokens from this model (same tokenizer, smaller)."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Offline, with --speculative: draft tokens per step (1-16)."),
     ngram_min: int = typer.Option(2, "--ngram-min", help="Offline, with --speculative ngram: shortest suffix looked up in the context."),
     ngram_max: int = typer.Option(4, "--ngram-max", help="Offline, with --speculative ngram: longest suffix looked up (tried first)."),
@@ -409,7 +416,7 @@ def bench(
     ui = Reporter(quiet or as_json)
     path = resolve(offline, status=ui.note, bar=ui.bar).path
     results, kv, accepted = [], {}, {}
-    spec = _speculative(speculative, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch)
+    spec = _speculative(speculative, draft, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch)
     if repeats < 1:
         raise QuantkitError("--repeats must be >= 1")
     for b in sizes:

@@ -53,6 +53,9 @@ class Tokenizer:
             setattr(self, name, token)
             setattr(self, name + "_id", None if token is None else self.backend.token_to_id(token))
 
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from quantkit import QuantkitError
-from quantkit.kernels.fused import native_bf16
 from quantkit.runtime import EngineConfig, LLMEngine, SamplingParams
 from quantkit.runtime import engine as engine_module
 from quantkit.runtime.speculative import SpeculativeConfig, ngram_draft
@@ -109,19 +108,16 @@ def copy_prompts(path, n: int) -> list[list[int]]:
                                     add_generation_prompt=True) for i in range(n)]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_smollm2_greedy_is_token_identical_with_ngram_drafts(smollm2_w4, dtype):
-    """20 copy-heavy prompts x 64 tokens under continuous batching, with and without drafts: a verification's
-    positions run as decode rows through the same batch-invariant kernels, so not even bf16 roundings differ
-    (bf16 where the CPU has native bf16 dot products: elsewhere the engine computes in float32)."""
-    if dtype == "bf16" and not native_bf16():
-        pytest.skip("bf16 activations only on CPUs with AVX512_BF16 or AMX")
+def test_smollm2_greedy_is_token_identical_with_ngram_drafts(smollm2_w4):
+    """20 copy-heavy prompts x 64 tokens under continuous batching, with and without drafts, in the compute dtype
+    this CPU runs by default (bf16 with native bf16 dot products, else float32): a verification's positions run
+    as decode rows through the same batch-invariant kernels, so not even bf16 roundings differ."""
     prompts = copy_prompts(smollm2_w4, 20)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     outs, stats = {}, None
     for spec in (None, SpeculativeConfig(num_tokens=4, max_batch=32)):
-        engine = LLMEngine(smollm2_w4, EngineConfig(dtype=dtype, kv_cache_memory=256 << 20, speculative=spec))
-        outs[spec is None] = run_staggered(engine, prompts, params, every=3)
+        engine = LLMEngine(smollm2_w4, EngineConfig(kv_cache_memory=256 << 20, speculative=spec))
+        outs[spec is None] = run_staggered(engine, prompts, params, every=1)
         stats = engine.spec_stats
     assert outs[False] == outs[True]
     assert stats["accepted"] > 0.3 * stats["draft_tokens"]  # copying: most drafts are right
@@ -147,3 +143,54 @@ def test_served_with_ngram_drafts_answers_as_without_and_counts(smollm2_w4, smol
         assert "quantkit:spec_decode_num_accepted_tokens_per_pos_total" in m
     finally:
         assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_drafts(tmp_path_factory, tiny_dir):
+    """Draft models for the tiny target: itself (every draft right), a smaller random one with its tokenizer
+    (mostly wrong), one with another vocabulary, and one larger than the target."""
+    import json
+    import shutil
+
+    from tests.conftest import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("drafts")
+    other = make_tiny_llama(root / "other", hidden=64, intermediate=128, layers=1, seed=1)
+    vocab = shutil.copytree(other, root / "vocab")
+    tok = json.loads((vocab / "tokenizer.json").read_text())
+    tok["model"]["vocab"] = {("x" + w if i == 200 else w): i for w, i in tok["model"]["vocab"].items()}
+    (vocab / "tokenizer.json").write_text(json.dumps(tok))
+    large = make_tiny_llama(root / "large", hidden=256, intermediate=512, layers=2, seed=2)
+    return {"self": tiny_dir, "other": other, "vocab": vocab, "large": large}
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+@pytest.mark.parametrize("cfg", [dict(), dict(max_num_batched_tokens=16), dict(kv_cache_memory=8 * 16384 * 2)])
+def test_greedy_with_a_draft_model_matches_hf(tiny_dir, tiny_drafts, hf_loopy, draft, cfg):
+    """A draft model proposes greedily from its own paged cache; chunked prefill and preemption (both caches'
+    blocks freed, the draft's rebuilt) change nothing in the output."""
+    spec = SpeculativeConfig("draft", 4, max_batch=16, model=str(tiny_drafts[draft]))
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=spec, **cfg))
+    assert run_staggered(engine, LOOPY, GREEDY) == hf_loopy
+    assert engine.blocks.num_used == 0
+    stats = engine.spec_stats
+    if draft == "self":  # the target drafting for itself: every draft is right
+        assert stats["accepted"] == stats["draft_tokens"] > 0
+    else:
+        assert stats["draft_tokens"] > stats["accepted"]
+    if "kv_cache_memory" in cfg:
+        assert engine.scheduler.preemptions > 0
+    assert "draft KV cache" in engine.describe()
+
+
+def test_a_draft_with_another_tokenizer_or_larger_than_the_target_is_refused(tiny_dir, tiny_drafts, capsys):
+    from tests.conftest import run_cli
+
+    with pytest.raises(QuantkitError, match="another tokenizer.*'xw196'|another tokenizer.*'w196'"):
+        LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig("draft", model=str(tiny_drafts["vocab"]))))
+    with pytest.raises(QuantkitError, match="larger than the target"):
+        LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig("draft", model=str(tiny_drafts["large"]))))
+    code, out, err = run_cli(capsys, "bench", "--offline", str(tiny_dir), "--draft", str(tiny_drafts["large"]))
+    assert code == 2 and "larger than the target" in err and "Traceback" not in err
+    code, out, err = run_cli(capsys, "bench", "--offline", str(tiny_dir), "--draft", str(tiny_drafts["other"]), "--speculative", "ngram")
+    assert code == 2 and "give one" in err

@@ -56,6 +56,7 @@ class BlockManager:
             self.refs[block] += 1
             seq.blocks.append(block)
         seq.computed = len(seq.blocks) * self.block_size
+        seq.draft_computed = 0  # a draft model's keys in shared blocks may be another's or none: computed again
         self.hashed[seq.id] = len(seq.blocks)
 
     def ensure(self, seq: Sequence, tokens: int) -> bool:
@@ -93,5 +94,5 @@ class BlockManager:
             if self.refs[block] == 0:
                 self.free_blocks[block] = None
         seq.blocks = []
-        seq.computed = 0
+        seq.computed = seq.draft_computed = 0
         self.hashed.pop(seq.id, None)

@@ -31,7 +31,7 @@ from quantkit.runtime.models.llama import LlamaModel
 from quantkit.runtime.sampler import Sample, SamplingParams, sample_rows, scored
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
 from quantkit.runtime.sequence import Sequence, Status
-from quantkit.runtime.speculative import SpeculativeConfig, ngram_draft
+from quantkit.runtime.speculative import DraftModel, SpeculativeConfig, check_draft, ngram_draft
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -94,10 +94,14 @@ class LLMEngine:
         self.context_length = m.max_position
         kv_dtype, scales, self.kv_warning = _kv_dtype(cfg.kv_cache_dtype, self.dtype, self.model.kv_scales, m.num_layers)
         spec = CacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, cfg.block_size, kv_dtype)
-        blocks = spec.blocks_for(cfg.kv_cache_memory or _default_budget(spec, cfg, m.max_position))
+        self.drafter = self._draft_model() if cfg.speculative and cfg.speculative.method == "draft" else None
+        per_block = spec.bytes_per_block + (self.drafter.spec.bytes_per_block if self.drafter else 0)  # both caches, one budget
+        blocks = (cfg.kv_cache_memory or _default_budget(spec, cfg, m.max_position)) // per_block
         if blocks < 2:
-            raise QuantkitError(f"KV-cache budget too small: one block of {cfg.block_size} tokens needs {spec.bytes_per_block} bytes")
+            raise QuantkitError(f"KV-cache budget too small: one block of {cfg.block_size} tokens needs {per_block} bytes")
         self.cache = KVCache(spec, blocks, self.dtype, cfg.device, scales)
+        if self.drafter:
+            self.drafter.allocate(blocks, self.dtype)
         self.timings = dict(self.model.timings)  # seconds: kernels, load (checkpoint, tokenizer, KV cache), repack
         self.timings["load"] += time.perf_counter() - t0
         self.blocks = BlockManager(blocks, cfg.block_size, cfg.prefix_caching)
@@ -146,8 +150,10 @@ class LLMEngine:
                 f"{self.cache.num_blocks * spec.bytes_per_block / 2**20:,.0f} MiB); kernels: {self.cfg.kernel}"
                 f"{' + ' + fused_kernels.describe() if self.model.fused else ''} on {self.cfg.device}, "
                 f"{str(self.dtype).removeprefix('torch.')} activations{_dtype_reason(self.cfg, self.dtype)}"
-                + (f"; speculative: {spec.method}, {spec.num_tokens} draft tokens (n-grams {spec.ngram_min}-{spec.ngram_max}), "
-                   f"off above {spec.max_batch} sequences" if (spec := self.cfg.speculative) else ""))
+                + (f"; speculative: {spec.num_tokens} draft tokens from "
+                   + (f"n-grams of {spec.ngram_min}-{spec.ngram_max}" if self.drafter is None else
+                      f"{self.drafter.path.name} ({self.drafter.cache.num_blocks * self.drafter.spec.bytes_per_block / 2**20:,.0f} MiB of draft KV cache)")
+                   + f", off above {spec.max_batch} sequences" if (spec := self.cfg.speculative) else ""))
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -217,6 +223,15 @@ class LLMEngine:
             outputs.append(self._advance(seq, s))
         return outputs
 
+    def _draft_model(self) -> DraftModel:
+        """The draft model of `speculative.model`, checked against the target (tokenizer, size)."""
+        from quantkit.models import resolve
+
+        path = resolve(self.cfg.speculative.model).path
+        drafter = DraftModel(path, self.dtype, self.cfg.kernel, self.cfg.device, self.cfg.fused, self.cfg.block_size)
+        check_draft(self.path, path, self.tokenizer, serving_tokenizer(path))
+        return drafter
+
     def reset_spec_stats(self) -> None:
         """Zero the speculation counters (vLLM's spec_decode metrics): sequence steps with drafts, draft tokens,
         accepted tokens, accepted tokens by draft position."""
@@ -230,20 +245,29 @@ class LLMEngine:
         spec = self.cfg.speculative
         if spec is None or len(work) > spec.max_batch:
             return work
-        budget = self.cfg.max_num_batched_tokens - sum(n for _, n in work)
-        out = []
+        # rows beyond what the fused decode loop takes would switch kernels (float32 panels dequantise above 32 rows)
+        rows = self.model.decoder.max_rows if self.model.decoder is not None else self.cfg.max_num_batched_tokens
+        budget = min(self.cfg.max_num_batched_tokens, rows) - sum(n for _, n in work)
+        wanted = []  # (sequence, drafts it may take)
         for seq, n in work:
             p = seq.params
             room = min(spec.num_tokens, p.max_tokens - len(seq.output) - 1, self.max_len - len(seq) - 1, budget)
             if n == 1 and seq.computed == len(seq) - 1 and seq.json_state is None and room > 0:
-                draft = ngram_draft(seq.tokens, room, spec.ngram_min, spec.ngram_max)
-                if draft and self.blocks.ensure(seq, len(seq) + len(draft)):
-                    seq.draft, n = draft, 1 + len(draft)
-                    self.spec_stats["drafts"] += 1
-                    self.spec_stats["draft_tokens"] += len(draft)
-                    budget -= len(draft)
-            out.append((seq, n))
-        return out
+                if self.drafter is None:
+                    seq.draft = ngram_draft(seq.tokens, room, spec.ngram_min, spec.ngram_max)
+                    room = len(seq.draft)
+                if room and self.blocks.ensure(seq, len(seq) + room):
+                    wanted.append((seq, room))
+                    budget -= room
+                else:
+                    seq.draft = []
+        if self.drafter is not None and wanted:
+            for (seq, _), draft in zip(wanted, self.drafter.propose(wanted)):
+                seq.draft = draft
+        for seq, _ in wanted:
+            self.spec_stats["drafts"] += 1
+            self.spec_stats["draft_tokens"] += len(seq.draft)
+        return [(seq, n + len(seq.draft)) for seq, n in work]
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[Sample]:
         """Draw from the target's distributions [k+1, vocab] one position at a time, as plain decoding would,
@@ -262,6 +286,7 @@ class LLMEngine:
             self.spec_stats["accepted"] += 1
             self.spec_stats["accepted_per_pos"][i] += 1
         seq.computed += len(out) - 1  # the accepted drafts' keys and values are already in the cache
+        seq.draft_computed = min(seq.draft_computed, len(seq) + len(out) - 1)  # the draft's, up to its last accepted token
         return out
 
     def _batch(self, work: list[tuple[Sequence, int]]) -> tuple[Batch, list[tuple[Sequence, int]], list[tuple[Sequence, int, int]]]:

@@ -35,6 +35,7 @@ class Sequence:
     generator: torch.Generator | None = None
     json_state: JsonPrefix | None = None  # with params.json_object: the JSON written so far, as parser state
     draft: list[int] = field(default_factory=list)  # speculative tokens being verified this step (not yet output)
+    draft_computed: int = 0  # with a draft model: tokens whose keys/values are in the draft's cache
 
     @property
     def tokens(self) -> list[int]:
