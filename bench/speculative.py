@@ -1,15 +1,16 @@
 """Speculative decoding against the plain engine on the same prompts, side by side in one process.
 
-    python bench/speculative.py MODEL [--workloads copy,code,chat] [--batch-sizes 1,8,32] [--k 4] [--max-tokens 128]
-                                      [--repeats 2] [--json]
+    python bench/speculative.py MODEL [--draft DRAFT] [--workloads copy,code,chat] [--batch-sizes 1,8,32] [--k 4]
+                                      [--max-tokens 128] [--repeats 2] [--json]
 
 Workloads, all through the model's chat template, greedy (so both engines produce the same tokens and the
 comparison is of time alone):
   copy  repeat a passage of the built-in held-out text (questions answered from a pasted context copy the same way)
   code  edit in place: rename one identifier in a function of quantkit's own source, and return the whole code
   chat  open-ended questions with nothing to copy (where n-gram drafts should cost little)
-For each batch size the engines alternate, `--repeats` times each; the table shows output tokens per second
-(median), the speedup, the acceptance rate and the tokens each verifying step added.
+Engines: plain, n-gram drafts, and with `--draft` a draft model (same tokenizer). For each batch size they
+alternate, `--repeats` times each; each line shows output tokens per second (median), the speedup over plain,
+the acceptance rate, the tokens each verifying step added, and whether the outputs equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
+    ap.add_argument("--draft", help="a draft model (directory or alias) to compare as well")
+    ap.add_argument("--no-ngram", action="store_true", help="leave the n-gram engine out")
     ap.add_argument("--workloads", default="copy,code,chat")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
@@ -90,36 +93,41 @@ def main() -> None:
     from quantkit.runtime.speculative import SpeculativeConfig, acceptance
 
     path = resolve(args.model).path
-    spec = SpeculativeConfig("ngram", args.k, args.ngram_min, args.ngram_max, args.max_batch)
+    specs = {} if args.no_ngram else {"ngram": SpeculativeConfig("ngram", args.k, args.ngram_min, args.ngram_max, args.max_batch)}
+    if args.draft:
+        specs["draft"] = SpeculativeConfig("draft", args.k, max_batch=args.max_batch, model=args.draft)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     for b in sizes:
         engines = {name: LLMEngine(path, EngineConfig(dtype=args.dtype, max_num_seqs=b, speculative=s))
-                   for name, s in (("plain", None), ("ngram", spec))}
+                   for name, s in (("plain", None), *specs.items())}
         for e in engines.values():
             e.warm_up()
         for w in args.workloads.split(","):
             prompts = workload(w, engines["plain"].tokenizer, b)
             times = {name: [] for name in engines}
-            engines["ngram"].reset_spec_stats()
+            for name in specs:
+                engines[name].reset_spec_stats()
             for _ in range(args.repeats):
                 outs = {}
                 for name, e in engines.items():
                     seconds, tokens, outs[name] = run(e, prompts, args.max_tokens)
                     times[name].append(tokens / seconds)
-                same = outs["plain"] == outs["ngram"]
-            a = acceptance(engines["ngram"].spec_stats)
-            plain, ngram = statistics.median(times["plain"]), statistics.median(times["ngram"])
-            rows.append({"workload": w, "batch": b, "plain_tok_s": plain, "ngram_tok_s": ngram, "speedup": ngram / plain,
-                         "acceptance_rate": a["acceptance_rate"], "mean_acceptance_length": a["mean_acceptance_length"],
-                         "verifying_steps": a["drafts"], "same_tokens": same, "runs": times})
-            if not args.json:
+            plain = statistics.median(times["plain"])
+            for name in specs:
+                a = acceptance(engines[name].spec_stats)
+                tok_s = statistics.median(times[name])
+                rows.append({"workload": w, "batch": b, "method": name, "plain_tok_s": plain, "tok_s": tok_s,
+                             "speedup": tok_s / plain, "acceptance_rate": a["acceptance_rate"],
+                             "mean_acceptance_length": a["mean_acceptance_length"], "verifying_steps": a["drafts"],
+                             "same_tokens": outs[name] == outs["plain"], "runs": {"plain": times["plain"], name: times[name]}})
                 r = rows[-1]
-                print(f"{w:5} batch {b:3}: plain {plain:7.1f} tok/s, ngram {ngram:7.1f} tok/s, {r['speedup']:.2f}x; "
-                      f"acceptance {r['acceptance_rate']:.2f}, {r['mean_acceptance_length']:.2f} tokens/verifying step "
-                      f"({r['verifying_steps']} steps); outputs identical: {same}", flush=True)
+                if not args.json:
+                    print(f"{w:5} batch {b:3} {name:5}: plain {plain:7.1f} tok/s, {name} {tok_s:7.1f} tok/s, {r['speedup']:.2f}x; "
+                          f"acceptance {r['acceptance_rate']:.2f}, {r['mean_acceptance_length']:.2f} tokens/verifying step "
+                          f"({r['verifying_steps']} steps); outputs identical: {r['same_tokens']}", flush=True)
     if args.json:
-        print(json.dumps({"model": args.model, "k": args.k, "ngram": [args.ngram_min, args.ngram_max],
+        print(json.dumps({"model": args.model, "draft": args.draft, "k": args.k, "ngram": [args.ngram_min, args.ngram_max],
                           "max_batch": args.max_batch, "max_tokens": args.max_tokens, "rows": rows}, indent=2))
 
 
