@@ -181,7 +181,7 @@ TASKS_DEFAULT = "ppl,kl,retrieval,tool-use"
 def eval_(
     checkpoint: str = typer.Argument(..., help="The quantized model (any MODEL quantkit resolves)."),
     baseline: str | None = typer.Option(None, "--baseline", help="Reference model.  [default: the source in quantkit.json]"),
-    tasks: str = typer.Option(TASKS_DEFAULT, "--tasks", help="Comma-separated: ppl, kl, retrieval, tool-use."),
+    tasks: str = typer.Option(TASKS_DEFAULT, "--tasks", help="Comma-separated: ppl, kl, retrieval, tool-use, acceptance (as a speculative draft)."),
     lengths: str = typer.Option("1k,2k", "--lengths", help="Retrieval context lengths in tokens (1k = 1024)."),
     limit: int | None = typer.Option(None, "--limit", help="Items per task and length (rows for ppl/kl)."),
     margin: float = typer.Option(2.0, "--margin", help="Equivalence margin in accuracy points."),
@@ -198,6 +198,8 @@ def eval_(
     api_key: str | None = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Bearer key for --endpoint."),
     served_model: str | None = typer.Option(None, "--served-model-name", help="Model name at --endpoint.  [default: the first in GET /models]"),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute the baseline instead of reusing cached results."),
+    draft: str | None = typer.Option(None, "--draft", help="acceptance: this model drafts for CHECKPOINT.  [default: CHECKPOINT drafts for its baseline]"),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="acceptance: drafts per step in the measured run."),
     out: Path = typer.Option(Path("eval-results"), "--out", help="Folder for results.json, report.md and plots."),
     as_json: bool = JSON,
     quiet: bool = QUIET,
@@ -232,7 +234,14 @@ def eval_(
                      dtype=dtype, bfcl_limit=bfcl_limit, endpoint=endpoint, api_key=api_key, served_model=served_model)
     ui = Reporter(quiet or as_json)
     ckpt = resolve(checkpoint, status=ui.note, bar=ui.bar)
-    base = resolve(baseline or baseline_of(ckpt.path), status=ui.note, bar=ui.bar)
+    if draft is not None:
+        if "acceptance" not in chosen:
+            raise QuantkitError("--draft is for --tasks acceptance")
+        cfg.draft = resolve(draft, status=ui.note, bar=ui.bar).path
+    if not 1 <= num_speculative_tokens <= 8:
+        raise QuantkitError("--num-speculative-tokens: 1 to 8 for the acceptance task")
+    cfg.draft_k = num_speculative_tokens
+    base = resolve(baseline or baseline_of(ckpt.path), status=ui.note, bar=ui.bar) if (chosen != ("acceptance",) or draft is None) else ckpt
     report = run_eval(ckpt, base, cfg, ui)
     files = write(report, out)
     if as_json:
@@ -248,7 +257,8 @@ def eval_(
         color = colors.get(r["verdict"], "yellow")
         table.add_row(r["task"], fmt(r, "baseline"), fmt(r, "quantized"), fmt(r, "diff"), ci_text(r),
                       f"[{color}]{r['verdict']}[/]", str(r["n"]), r["note"])
-    stdout.print(table)
+    if report.summary:
+        stdout.print(table)
     if cats := report.details.get("tool_use", {}).get("by_category"):
         by = Table("category", "n", "baseline", "quantized", "diff", "90% CI", "verdict", "lost / gained", "unparsable",
                    title="tool use by category", title_justify="left")
@@ -258,6 +268,16 @@ def eval_(
                        f"[{c['ci'][0]:+.1%}, {c['ci'][1]:+.1%}]", c["verdict"], f"{c['lost']} / {c['gained']}",
                        f"{pf['baseline']} / {pf['quantized']}")
         stdout.print(by)
+    if a := report.details.get("acceptance"):
+        acc = Table("k", "predicted tokens / step", "predicted speedup", "verify / decode step", title=(
+            f"{Path(a['draft']).name} drafting for {Path(a['target']).name}: greedy α {a['alpha']['held_out']['greedy']:.3f} held-out, "
+            f"{a['alpha']['retrieval']['greedy']:.3f} retrieval; a draft step = {a['cost']['draft_to_target']:.2f} target steps"), title_justify="left")
+        for p in a["predicted"]:
+            acc.add_row(str(p["k"]), f"{p['tokens_per_step']:.2f}", f"{p['speedup']:.2f}x", f"{a['cost']['verify_to_decode'][p['k']]:.2f}")
+        stdout.print(acc)
+        m = a["measured"]
+        stdout.print(f"measured at k={m['k']}: {m['tokens_per_step']:.2f} tokens per verifying step "
+                     f"(predicted {a['predicted'][m['k'] - 1]['tokens_per_step']:.2f}), speedup {m['speedup']:.2f}x")
     if cached := report.details.get("baseline_cached"):
         stdout.print(f"baseline results reused from the cache: {', '.join(cached)} (--no-cache recomputes)")
     stdout.print(f"wrote {', '.join(files)} to {out}")

@@ -194,3 +194,38 @@ def test_a_draft_with_another_tokenizer_or_larger_than_the_target_is_refused(tin
     assert code == 2 and "larger than the target" in err and "Traceback" not in err
     code, out, err = run_cli(capsys, "bench", "--offline", str(tiny_dir), "--draft", str(tiny_drafts["other"]), "--speculative", "ngram")
     assert code == 2 and "give one" in err
+
+
+def test_expected_tokens_per_step_is_the_geometric_sum():
+    from quantkit.eval.acceptance import expected_tokens
+
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_eval_acceptance_of_a_model_drafting_for_itself_and_for_its_w4(tiny_dir, tmp_path, capsys):
+    """`quantkit eval OUT --tasks acceptance`: a model drafting for itself has α = 1 and the measured run keeps
+    every draft (k + 1 tokens a step); its W4 drafting for it keeps fewer, and the report says how many."""
+    import json
+
+    from tests.conftest import run_cli
+
+    code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "q"), "-g", "32", "-q")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "eval", str(tiny_dir), "--baseline", str(tiny_dir), "--tasks", "acceptance",
+                             "--limit", "2", "--dtype", "fp32", "--out", str(tmp_path / "self"), "--json")
+    assert code == 0, err
+    a = json.loads(out)["details"]["acceptance"]
+    assert a["alpha"]["held_out"]["greedy"] == 1 and a["alpha"]["held_out"]["sampled"] == pytest.approx(1, abs=1e-4)
+    assert a["predicted"][3]["tokens_per_step"] == 5 and a["measured"]["acceptance_rate"] == 1
+    assert a["measured"]["tokens_per_step"] > 4.5  # (steps near max_tokens have room for fewer drafts)
+    code, out, err = run_cli(capsys, "eval", str(tmp_path / "q"), "--tasks", "acceptance", "--limit", "2", "--dtype", "fp32",
+                             "--out", str(tmp_path / "w4"))
+    assert code == 0, err
+    assert "drafting for" in out and "measured at k=4" in out
+    report = (tmp_path / "w4" / "report.md").read_text()
+    assert "Speculative decoding: the draft's acceptance" in report
+    a = json.loads((tmp_path / "w4" / "results.json").read_text())["details"]["acceptance"]
+    assert 0 < a["alpha"]["held_out"]["greedy"] < 1 and 1 <= a["measured"]["tokens_per_step"] <= 5
+    code, _, err = run_cli(capsys, "eval", str(tmp_path / "q"), "--tasks", "ppl", "--draft", str(tiny_dir))
+    assert code == 2 and "--draft is for --tasks acceptance" in err

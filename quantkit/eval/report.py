@@ -47,6 +47,18 @@ def markdown(report: EvalReport) -> str:
             lines.append(f"| {cat} | {c['n']} | {c['baseline']:.1%} | {c['quantized']:.1%} | {c['diff']:+.1%} | "
                          f"[{c['ci'][0]:+.1%}, {c['ci'][1]:+.1%}] | {c['verdict']} | {c['lost']} / {c['gained']} | "
                          f"{pf['baseline']} / {pf['quantized']} |")
+    if a := report.details.get("acceptance"):
+        lines += ["", "## Speculative decoding: the draft's acceptance", "", f"Target {a['target']}, draft {a['draft']}; "
+                  f"greedy α {a['alpha']['held_out']['greedy']:.3f} on held-out text, {a['alpha']['retrieval']['greedy']:.3f} on "
+                  f"retrieval prompts (Σ min(p, q): {a['alpha']['held_out']['sampled']:.3f} / {a['alpha']['retrieval']['sampled']:.3f}); "
+                  f"a draft step costs {a['cost']['draft_to_target']:.2f} target steps.", "",
+                  "| k | predicted tokens per step | predicted speedup | verify step / decode step |", "| ---: | ---: | ---: | ---: |"]
+        for p in a["predicted"]:
+            lines.append(f"| {p['k']} | {p['tokens_per_step']:.2f} | {p['speedup']:.2f}x | {a['cost']['verify_to_decode'][p['k']]:.2f} |")
+        m = a["measured"]
+        lines += ["", f"Measured at k={m['k']} ({m['prompts']} prompts x {m['max_tokens']} tokens, greedy): "
+                  f"{m['tokens_per_step']:.2f} tokens per verifying step (predicted {a['predicted'][m['k'] - 1]['tokens_per_step']:.2f}), "
+                  f"speedup {m['speedup']:.2f}x."]
     lines += ["", f"Time per task (s): {report.timings_s}", ""]
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """`quantkit eval`: the quantized model against its baseline, task by task, with paired verdicts.
 
 Tasks: `ppl` and `kl` (one pass over held-out text gives both), `retrieval` (generated long-context
-items), `tool-use` (BFCL-schema items). Every item's raw output, parsed answer and correctness is kept
+items), `tool-use` (BFCL-schema items), `acceptance` (how good a draft for speculative decoding one model
+makes for the other: predicted and measured). Every item's raw output, parsed answer and correctness is kept
 for both models, so any number in the report can be traced to the items behind it.
 """
 
@@ -23,7 +24,7 @@ from quantkit.eval.kl import distribution
 from quantkit.eval.stats import DEGRADED, EQUIVALENT, compare
 from quantkit.ui import Reporter
 
-TASKS = ("ppl", "kl", "retrieval", "tool-use")
+TASKS = ("ppl", "kl", "retrieval", "tool-use", "acceptance")
 RETRIEVAL_TASKS = ("passkey", "niah_number", "niah_word", "niah_uuid", "niah_multikey", "niah_multivalue",
                    "niah_multiquery", "variable_tracking", "json_kv")
 # Distribution verdict thresholds (nats per token, and perplexity ratio).
@@ -53,6 +54,8 @@ class EvalConfig:
     endpoint: str | None = None
     api_key: str | None = None
     served_model: str | None = None
+    draft: Path | None = None  # acceptance: the draft (the checkpoint is then the target); default: the checkpoint drafts for its baseline
+    draft_k: int = 4  # acceptance: drafts per step in the measured run
 
 
 @dataclass(slots=True)
@@ -232,6 +235,39 @@ def _row(task: str, p) -> dict:
             "verdict": p.verdict, "n": p.n, "note": p.note or f"McNemar p={p.p_mcnemar:.3g}, lost {p.flips_lost}, gained {p.flips_gained}"}
 
 
+def run_acceptance(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter, cache: ResultCache) -> None:
+    """How well the draft's tokens would survive the target's checks (eval/acceptance.py): α on held-out text and
+    on retrieval prompts, the tokens per step and speedup it predicts for k = 1..8, and a measured run at k."""
+    from quantkit.eval import acceptance as acc
+    from quantkit.eval.backends import RuntimeBackend
+
+    if cfg.draft is not None:
+        target, draft = quant, RuntimeBackend(cfg.draft, "draft", dtype=cfg.dtype)
+    else:
+        target, draft = base, quant
+    rows = list(eval_rows(target.tokenizer, cfg.seqlen, cfg.limit or 16, cfg.text, cfg.text_split, cfg.text_column).split(1))
+    items = retrieval.generate(["passkey", "niah_multikey", "variable_tracking", "json_kv"], [1024], 1, cfg.seed, target.count,
+                               retrieval.Filler(builtin_texts("eval")))
+    prompts = [torch.tensor([target.tokenizer(target.chat_prompt([{"role": "user", "content": it.prompt}]),
+                                              add_special_tokens=False)["input_ids"]]) for it in items]
+    with ui.bar("acceptance: held-out text and retrieval prompts", len(rows) + len(prompts)) as advance:
+        text, retr = acc.alpha(target, draft, rows, advance), acc.alpha(target, draft, prompts, advance)
+    with ui.step("acceptance: timing both models' decode steps"):
+        steps = {n: acc.decode_seconds(target.engine, n) for n in range(1, max(acc.KS) + 2)}
+        draft_step = acc.decode_seconds(draft.engine, 1)
+    with ui.step(f"acceptance: decoding {min(4, len(rows))} prompts one at a time, with the draft (k={cfg.draft_k}) and without"):
+        run = acc.measured(target.engine, draft.path, [r[0, :128].tolist() for r in rows[:4]], cfg.draft_k)
+    predicted = acc.predict(text.greedy, draft_step, steps)
+    report.details["acceptance"] = {
+        "target": str(target.path), "draft": str(draft.path),
+        "alpha": {"held_out": {"greedy": text.greedy, "sampled": text.sampled, "tokens": text.tokens},
+                  "retrieval": {"greedy": retr.greedy, "sampled": retr.sampled, "tokens": retr.tokens}},
+        "cost": {"draft_step_s": draft_step, "target_step_s": steps[1], "draft_to_target": draft_step / steps[1],
+                 "verify_to_decode": {k: steps[k + 1] / steps[1] for k in acc.KS}},
+        "predicted": predicted, "measured": run,
+        "prediction_error": predicted[cfg.draft_k - 1]["tokens_per_step"] / run["tokens_per_step"] - 1 if run["tokens_per_step"] else None}
+
+
 def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
     """ckpt/baseline: resolved models (objects with .path and .spec)."""
     from quantkit.eval.backends import EndpointBackend, HFBackend, RuntimeBackend
@@ -254,7 +290,8 @@ def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
         else:
             quant = local(ckpt.path, "quantized")
     steps = [("distribution", ("ppl" in cfg.tasks or "kl" in cfg.tasks), run_distribution),
-             ("retrieval", "retrieval" in cfg.tasks, run_retrieval), ("tool-use", "tool-use" in cfg.tasks, run_tool_use)]
+             ("retrieval", "retrieval" in cfg.tasks, run_retrieval), ("tool-use", "tool-use" in cfg.tasks, run_tool_use),
+             ("acceptance", "acceptance" in cfg.tasks, run_acceptance)]
     for name, wanted, fn in steps:
         if wanted:
             start = time.perf_counter()
