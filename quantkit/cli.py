@@ -270,7 +270,8 @@ def eval_(
         stdout.print(by)
     if a := report.details.get("acceptance"):
         acc = Table("k", "predicted tokens / step", "predicted speedup", "verify / decode step", title=(
-            f"{Path(a['draft']).name} drafting for {Path(a['target']).name}: greedy α {a['alpha']['held_out']['greedy']:.3f} held-out, "
+            f"{Path(a['draft']).name} drafting for {Path(a['target']).name}: greedy α {a['alpha']['continuations']['greedy']:.3f} "
+            f"on its continuations, {a['alpha']['held_out']['greedy']:.3f} held-out, "
             f"{a['alpha']['retrieval']['greedy']:.3f} retrieval; a draft step = {a['cost']['draft_to_target']:.2f} target steps"), title_justify="left")
         for p in a["predicted"]:
             acc.add_row(str(p["k"]), f"{p['tokens_per_step']:.2f}", f"{p['speedup']:.2f}x", f"{a['cost']['verify_to_decode'][p['k']]:.2f}")
@@ -310,7 +311,7 @@ def serve(
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="With --speculative: draft tokens per step (1-16)."),
     ngram_min: int = typer.Option(2, "--ngram-min", help="With --speculative ngram: shortest suffix looked up in the context."),
     ngram_max: int = typer.Option(4, "--ngram-max", help="With --speculative ngram: longest suffix looked up (tried first)."),
-    speculative_max_batch: int = typer.Option(8, "--speculative-max-batch", help="With --speculative: no drafts when more sequences run."),
+    speculative_max_batch: int = typer.Option(4, "--speculative-max-batch", help="With --speculative: no drafts when more sequences run."),
     debug: bool = DEBUG,
 ) -> None:
     """Serve a checkpoint with an OpenAI-compatible API (chat, completions, streaming, tools) on quantkit's engine."""
@@ -382,7 +383,7 @@ def bench(
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Offline, with --speculative: draft tokens per step (1-16)."),
     ngram_min: int = typer.Option(2, "--ngram-min", help="Offline, with --speculative ngram: shortest suffix looked up in the context."),
     ngram_max: int = typer.Option(4, "--ngram-max", help="Offline, with --speculative ngram: longest suffix looked up (tried first)."),
-    speculative_max_batch: int = typer.Option(8, "--speculative-max-batch", help="Offline, with --speculative: no drafts when more sequences run."),
+    speculative_max_batch: int = typer.Option(4, "--speculative-max-batch", help="Offline, with --speculative: no drafts when more sequences run."),
     hf: bool = typer.Option(False, "--hf", help="Also run HF transformers generate on the same workload."),
     llama_cpp: Path | None = typer.Option(None, "--llama-cpp", help="Also run this GGUF in llama.cpp (llama-cpp-python)."),
     model: str | None = typer.Option(None, "--model", help="URL mode: the model name to send.  [default: the first in GET /v1/models]"),

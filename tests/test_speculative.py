@@ -35,7 +35,7 @@ def hf_loopy(tiny_dir):
     dict(block_size=4, max_num_seqs=3),
 ])
 def test_greedy_with_ngram_drafts_matches_hf(tiny_dir, hf_loopy, cfg):
-    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=4, ngram_min=1), **cfg))
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=4, ngram_min=1, max_batch=16), **cfg))
     assert run_staggered(engine, LOOPY, GREEDY) == hf_loopy
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
     stats = engine.spec_stats
@@ -50,7 +50,7 @@ def test_bad_drafts_change_nothing(tiny_dir, hf_loopy, monkeypatch):
     rng = torch.Generator().manual_seed(0)
     monkeypatch.setattr(engine_module, "ngram_draft",
                         lambda tokens, k, lo, hi: torch.randint(4, 250, (k,), generator=rng).tolist())
-    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=3)))
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=3, max_batch=16)))
     assert run_staggered(engine, LOOPY, GREEDY) == hf_loopy
     assert engine.spec_stats["draft_tokens"] > 100
 

@@ -49,7 +49,8 @@ def markdown(report: EvalReport) -> str:
                          f"{pf['baseline']} / {pf['quantized']} |")
     if a := report.details.get("acceptance"):
         lines += ["", "## Speculative decoding: the draft's acceptance", "", f"Target {a['target']}, draft {a['draft']}; "
-                  f"greedy α {a['alpha']['held_out']['greedy']:.3f} on held-out text, {a['alpha']['retrieval']['greedy']:.3f} on "
+                  f"greedy α {a['alpha']['continuations']['greedy']:.3f} on the target's own greedy continuations (what the "
+                  f"prediction uses), {a['alpha']['held_out']['greedy']:.3f} on held-out text, {a['alpha']['retrieval']['greedy']:.3f} on "
                   f"retrieval prompts (Σ min(p, q): {a['alpha']['held_out']['sampled']:.3f} / {a['alpha']['retrieval']['sampled']:.3f}); "
                   f"a draft step costs {a['cost']['draft_to_target']:.2f} target steps.", "",
                   "| k | predicted tokens per step | predicted speedup | verify step / decode step |", "| ---: | ---: | ---: | ---: |"]

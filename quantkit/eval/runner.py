@@ -236,8 +236,9 @@ def _row(task: str, p) -> dict:
 
 
 def run_acceptance(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter, cache: ResultCache) -> None:
-    """How well the draft's tokens would survive the target's checks (eval/acceptance.py): α on held-out text and
-    on retrieval prompts, the tokens per step and speedup it predicts for k = 1..8, and a measured run at k."""
+    """How well the draft's tokens would survive the target's checks (eval/acceptance.py): α on held-out text, on
+    retrieval prompts and on the target's own greedy continuations, the tokens per step and speedup that last
+    one predicts for k = 1..8, and a measured run at k on the same prompts."""
     from quantkit.eval import acceptance as acc
     from quantkit.eval.backends import RuntimeBackend
 
@@ -246,22 +247,27 @@ def run_acceptance(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporte
     else:
         target, draft = base, quant
     rows = list(eval_rows(target.tokenizer, cfg.seqlen, cfg.limit or 16, cfg.text, cfg.text_split, cfg.text_column).split(1))
-    items = retrieval.generate(["passkey", "niah_multikey", "variable_tracking", "json_kv"], [1024], 1, cfg.seed, target.count,
-                               retrieval.Filler(builtin_texts("eval")))
-    prompts = [torch.tensor([target.tokenizer(target.chat_prompt([{"role": "user", "content": it.prompt}]),
-                                              add_special_tokens=False)["input_ids"]]) for it in items]
-    with ui.bar("acceptance: held-out text and retrieval prompts", len(rows) + len(prompts)) as advance:
-        text, retr = acc.alpha(target, draft, rows, advance), acc.alpha(target, draft, prompts, advance)
+    with ui.step("acceptance: retrieval prompts"):
+        items = retrieval.generate(["passkey", "niah_multikey", "variable_tracking", "json_kv"], [1024], 1, cfg.seed, target.count,
+                                   retrieval.Filler(builtin_texts("eval")))
+        prompts = [torch.tensor([target.tokenizer(target.chat_prompt([{"role": "user", "content": it.prompt}]),
+                                                  add_special_tokens=False)["input_ids"]]) for it in items]
+    starts = [r[0, :128].tolist() for r in rows[:4]]
+    with ui.step(f"acceptance: the target's greedy continuations of {len(starts)} held-out prompts"):
+        own = [torch.tensor([p + c[:-1]]) for p, c in zip(starts, acc.continuations(target.engine, starts, 64))]
+    with ui.bar("acceptance: both models on held-out text, retrieval prompts, continuations", len(rows) + len(prompts) + len(own)) as advance:
+        text, retr = acc.alpha(target, draft, rows, on_row=advance), acc.alpha(target, draft, prompts, on_row=advance)
+        cont = acc.alpha(target, draft, own, [len(p) - 1 for p in starts], on_row=advance)
     with ui.step("acceptance: timing both models' decode steps"):
         steps = {n: acc.decode_seconds(target.engine, n) for n in range(1, max(acc.KS) + 2)}
         draft_step = acc.decode_seconds(draft.engine, 1)
-    with ui.step(f"acceptance: decoding {min(4, len(rows))} prompts one at a time, with the draft (k={cfg.draft_k}) and without"):
-        run = acc.measured(target.engine, draft.path, [r[0, :128].tolist() for r in rows[:4]], cfg.draft_k)
-    predicted = acc.predict(text.greedy, draft_step, steps)
+    with ui.step(f"acceptance: decoding the {len(starts)} prompts one at a time, with the draft (k={cfg.draft_k}) and without"):
+        run = acc.measured(target.engine, draft.path, starts, cfg.draft_k)
+    predicted = acc.predict(cont.greedy, draft_step, steps)
     report.details["acceptance"] = {
         "target": str(target.path), "draft": str(draft.path),
-        "alpha": {"held_out": {"greedy": text.greedy, "sampled": text.sampled, "tokens": text.tokens},
-                  "retrieval": {"greedy": retr.greedy, "sampled": retr.sampled, "tokens": retr.tokens}},
+        "alpha": {name: {"greedy": a.greedy, "sampled": a.sampled, "tokens": a.tokens}
+                  for name, a in (("held_out", text), ("retrieval", retr), ("continuations", cont))},
         "cost": {"draft_step_s": draft_step, "target_step_s": steps[1], "draft_to_target": draft_step / steps[1],
                  "verify_to_decode": {k: steps[k + 1] / steps[1] for k in acc.KS}},
         "predicted": predicted, "measured": run,

@@ -31,6 +31,7 @@ from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
 from quantkit.runtime.sequence import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16  # verified positions beyond this buy nothing at realistic acceptance rates
+CATCH_UP_ROWS = MAX_SPECULATIVE_TOKENS + 1  # up to this many new tokens a draft forward feeds as decode rows
 
 
 @dataclass(slots=True)
@@ -39,7 +40,7 @@ class SpeculativeConfig:
     num_tokens: int = 4  # k: drafts per step
     ngram_min: int = 2  # shortest suffix looked up
     ngram_max: int = 4  # longest suffix looked up (tried first)
-    max_batch: int = 8  # no drafting when more sequences than this run: verification stops paying at large batch
+    max_batch: int = 4  # no drafting when more sequences run: at 8 SmolLM2 W4 with n-grams was 0.91-1.06x plain (docs/benchmarks.md)
     model: str | None = None  # method draft: the draft model's directory (resolved)
 
     def __post_init__(self) -> None:
@@ -125,11 +126,11 @@ class DraftModel:
             positions += pos
             slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
             blocks = seq.blocks[: -(-(start + n) // bs)]
-            if n == 1:
-                rows.append(offset)
-                tables.append(blocks)
-                lengths.append(start + 1)
-            else:
+            if n <= CATCH_UP_ROWS:  # a few tokens (last step's accepted ones) attend as decode rows: the fused decode loop
+                rows += range(offset, offset + n)
+                tables += [blocks] * n
+                lengths += range(start + 1, start + n + 1)
+            else:  # a whole context (first draft, after a preemption or a prefix-cache hit): a prefill chunk
                 slices.append(SeqSlice(offset, n, start, torch.tensor(blocks, dtype=torch.long)))
             wanted.append(offset + n - 1)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
