@@ -1,12 +1,15 @@
 """`quantkit serve` against llama.cpp's `llama-server` under the same load, one server at a time.
 
     python bench/serve_vs_llama_server.py CKPT GGUF --llama-server PATH/llama-server [--levels 1,8,32]
-        [--serve-args "" --serve-args "--lm-head int8"]
+        [--serve-args "" --serve-args "--lm-head int8"] [--llama-args "" --llama-args "-md DRAFT.gguf"]
+        [--prompts FILE.jsonl --chat --no-ignore-eos]
 
 Both get the same random prompts (sized in the checkpoint's own tokenizer), `--output-len` tokens each with EOS
 ignored, streamed completions, at each concurrency level (4 requests per slot, at least 4). llama-server
 runs continuous batching with `-np` = the largest level and 2 threads. Prints one table with the
-output-token throughput ratios (quantkit / llama-server), one per quantkit variant (`--serve-args`).
+output-token throughput ratios (quantkit / llama-server), one per quantkit variant (`--serve-args`) and
+llama-server variant (`--llama-args`, e.g. a draft model). `--prompts` takes a JSONL file of {"prompt": ...}
+rows instead of random ones (`--chat`: sent as a user message through each server's chat template).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import sys
 import time
 import urllib.request
 
-from quantkit.bench.loadgen import LoadConfig, random_prompts, run_load
+from pathlib import Path
+
+from quantkit.bench.loadgen import LoadConfig, file_prompts, random_prompts, run_load
 from quantkit.models import load_tokenizer, resolve
 
 
@@ -74,31 +79,44 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--serve-args", action="append", default=None,
                     help="extra flags for quantkit serve, one quantkit run each (repeatable), e.g. '--lm-head int8'")
+    ap.add_argument("--llama-args", action="append", default=None,
+                    help="extra flags for llama-server, one run each (repeatable), e.g. '-md DRAFT.gguf --spec-draft-n-max 4'")
+    ap.add_argument("--prompts", type=Path, help="JSONL rows with a 'prompt' field instead of random prompts")
+    ap.add_argument("--chat", action="store_true", help="send chat completions (the prompt as a user message)")
+    ap.add_argument("--no-ignore-eos", action="store_true", help="let requests end at EOS (compare TPOT then)")
     args = ap.parse_args()
     variants = args.serve_args or [""]
     levels = [int(x) for x in args.levels.split(",")]
     tok = load_tokenizer(resolve(args.ckpt).path)
-    prompts = [(t, n, args.output_len) for t, n in random_prompts(tok, 4 * max(levels), args.input_len, seed=0)]
-    cfg = LoadConfig(url="", input_len=args.input_len, output_len=args.output_len)
+    if args.prompts:
+        rows = file_prompts(args.prompts, tok)
+        prompts = [(t, n, args.output_len) for i in range(4 * max(levels)) for t, n, _ in [rows[i % len(rows)]]]
+    else:
+        prompts = [(t, n, args.output_len) for t, n in random_prompts(tok, 4 * max(levels), args.input_len, seed=0)]
+    cfg = LoadConfig(url="", input_len=args.input_len, output_len=args.output_len, chat=args.chat, ignore_eos=not args.no_ignore_eos)
     slots = max(levels)
     ours = {}
     for extra in variants:
         port = free_port()
         ours[extra] = measure(f"quantkit {extra}".strip(), [sys.executable, "-m", "quantkit", "serve", args.ckpt, "--port", str(port),
                                                            "--max-num-seqs", str(slots), *shlex.split(extra)], port, levels, prompts, cfg)
-    port = free_port()
-    ctx = slots * (args.input_len + args.output_len + 64)
-    peer = measure("llama-server", [args.llama_server, "-m", args.gguf, "--port", str(port), "-np", str(slots), "-c", str(ctx),
-                                    "-t", str(args.threads), "-cb"], port, levels, prompts, cfg)
+    ctx = slots * (args.input_len + args.output_len + 64) + (4096 if args.prompts else 0)
+    peers = {}
+    for extra in args.llama_args or [""]:
+        port = free_port()
+        peers[extra] = measure(f"llama-server {extra}".strip(), [args.llama_server, "-m", args.gguf, "--port", str(port), "-np", str(slots),
+                                                                "-c", str(ctx), "-t", str(args.threads), "-cb", *shlex.split(extra)],
+                               port, levels, prompts, cfg)
     for extra, mine in ours.items():
-        print(f"\nquantkit serve {extra}".rstrip())
-        print("| concurrency | quantkit serve tok/s | llama-server tok/s | ratio | quantkit TTFT p50 ms | llama-server TTFT p50 ms |"
-              " quantkit TPOT p50 ms | llama-server TPOT p50 ms |")
-        print("|---|---|---|---|---|---|---|---|")
-        for c in levels:
-            a, b = mine[c], peer[c]
-            print(f"| {c} | {a.output_throughput:.1f} | {b.output_throughput:.1f} | {a.output_throughput / b.output_throughput:.2f}x | "
-                  f"{a.ttft_ms['p50']:.0f} | {b.ttft_ms['p50']:.0f} | {a.tpot_ms['p50']:.1f} | {b.tpot_ms['p50']:.1f} |")
+        for peer_args, peer in peers.items():
+            print(f"\nquantkit serve {extra}".rstrip() + f" against llama-server {peer_args}".rstrip())
+            print("| concurrency | quantkit serve tok/s | llama-server tok/s | ratio | quantkit TTFT p50 ms | llama-server TTFT p50 ms |"
+                  " quantkit TPOT p50 ms | llama-server TPOT p50 ms |")
+            print("|---|---|---|---|---|---|---|---|")
+            for c in levels:
+                a, b = mine[c], peer[c]
+                print(f"| {c} | {a.output_throughput:.1f} | {b.output_throughput:.1f} | {a.output_throughput / b.output_throughput:.2f}x | "
+                      f"{a.ttft_ms['p50']:.0f} | {b.ttft_ms['p50']:.0f} | {a.tpot_ms['p50']:.1f} | {b.tpot_ms['p50']:.1f} |")
 
 
 if __name__ == "__main__":
