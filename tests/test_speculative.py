@@ -77,15 +77,26 @@ def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(tiny_dir)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+def LLM_text(engine, prompt, params) -> tuple[str, str]:
+    out = _run(engine, prompt, params)
+    return out.text, out.finish_reason
+
+
 def test_stop_strings_and_max_tokens_cut_inside_an_accepted_run(tiny_dir):
-    """A stop id or max_tokens reached in the middle of accepted drafts ends the output there."""
+    """A stop id, a stop string or max_tokens reached in the middle of accepted drafts ends the output there,
+    as without drafts."""
     plain = LLMEngine(tiny_dir, EngineConfig(dtype="fp32"))
     spec = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=8, ngram_min=1)))
     full = run_staggered(plain, LOOPY[:4], GREEDY)
     for i, out in enumerate(full):
         stop = out[len(out) // 2]
-        for params in (SamplingParams(max_tokens=7 + i, ignore_eos=True), SamplingParams(max_tokens=24, stop_token_ids=[stop])):
+        word = plain.tokenizer.decode([stop])  # the tiny tokenizer's words: "w17" for id 21
+        for params in (SamplingParams(max_tokens=7 + i, ignore_eos=True), SamplingParams(max_tokens=24, stop_token_ids=[stop]),
+                       SamplingParams(max_tokens=24, stop=[f" {word} "], ignore_eos=True)):
+            texts = [LLM_text(e, LOOPY[i], params) for e in (spec, plain)]
+            assert texts[0] == texts[1] and (not params.stop or texts[1][1] == "stop")
             assert run_staggered(spec, [LOOPY[i]], params) == run_staggered(plain, [LOOPY[i]], params)
+    assert spec.spec_stats["accepted"] > 0
 
 
 def test_bad_speculative_settings_are_one_clear_error():
@@ -229,3 +240,54 @@ def test_eval_acceptance_of_a_model_drafting_for_itself_and_for_its_w4(tiny_dir,
     assert 0 < a["alpha"]["held_out"]["greedy"] < 1 and 1 <= a["measured"]["tokens_per_step"] <= 5
     code, _, err = run_cli(capsys, "eval", str(tmp_path / "q"), "--tasks", "ppl", "--draft", str(tiny_dir))
     assert code == 2 and "--draft is for --tasks acceptance" in err
+
+
+@pytest.mark.parametrize("which", ["likely", "impossible"])
+def test_sampled_tokens_follow_the_targets_distribution(tiny_dir, monkeypatch, which):
+    """Chi-square goodness of fit: over 600 seeded requests (temperature 1, top-k 8), the second token — drawn at
+    a drafted position — against the target's own probabilities given the first, per first token (a sum of
+    independent chi-squares). The draft is the likeliest token (often kept) or one outside the top 8 (never
+    kept). Seeded, so the outcome is fixed; at the 0.001 level a correct sampler fails one seed set in a thousand."""
+    from collections import Counter, defaultdict
+
+    prompt = LOOPY[1]
+    plain = LLMEngine(tiny_dir, EngineConfig(dtype="fp32"))
+
+    def top8(context):  # the target's 8 likeliest next tokens and their top-k-8 probabilities at temperature 1
+        top = _run(plain, context, SamplingParams(max_tokens=1, logprobs=8)).samples[0].top
+        return [t for t, _ in top], torch.tensor([lp for _, lp in top]).softmax(0).double()
+
+    firsts, _ = top8(prompt)
+    conditional = {t1: top8(prompt + [t1]) for t1 in firsts}
+    drafts = {t1: (toks[0] if which == "likely" else next(t for t in range(4, 256) if t not in toks))
+              for t1, (toks, _) in conditional.items()}
+    monkeypatch.setattr(engine_module, "ngram_draft", lambda seq_tokens, k, lo, hi: [drafts[seq_tokens[-1]]] * k)
+    spec = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=SpeculativeConfig(num_tokens=2)))
+    seconds = defaultdict(Counter)
+    for s in range(600):
+        out = _run(spec, prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=8, seed=1000 + s, ignore_eos=True))
+        seconds[out.token_ids[0]][out.token_ids[1]] += 1
+    stat, df = 0.0, 0
+    for t1, (tokens, probs) in conditional.items():
+        n = sum(seconds[t1].values())
+        assert set(seconds[t1]) <= set(tokens)
+        if n >= 30:  # enough draws for the chi-square approximation (expected counts mostly >= 5 here)
+            observed = torch.tensor([seconds[t1][t] for t in tokens], dtype=torch.float64)
+            stat += (((observed - probs * n) ** 2) / (probs * n)).sum().item()
+            df += len(tokens) - 1
+    assert df >= 28  # at least four first tokens tested
+    p_value = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)).item()
+    assert p_value > 0.001, (p_value, stat, df)
+    assert spec.spec_stats["draft_tokens"] > 0
+    if which == "impossible":
+        assert spec.spec_stats["accepted"] == 0
+    else:
+        assert spec.spec_stats["accepted"] > 0
+
+
+def _run(engine, prompt, params):
+    rid = engine.add_request(prompt, params)
+    while True:
+        for out in engine.step():
+            if out.id == rid and out.finished:
+                return out
