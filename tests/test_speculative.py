@@ -291,3 +291,14 @@ def _run(engine, prompt, params):
         for out in engine.step():
             if out.id == rid and out.finished:
                 return out
+
+
+def test_a_draft_model_after_prefix_cache_hits_matches_hf(tiny_dir, tiny_drafts):
+    """Prompts sharing a 70-token prefix: later ones start from cached target blocks, and the draft, whose keys
+    in those blocks may be another sequence's, catches up on the whole context first."""
+    shared = [1] + [(5 * j) % 250 + 4 for j in range(70)]
+    prompts = [shared + [10 + i, 20 + i] for i in range(4)]
+    spec = SpeculativeConfig("draft", 3, model=str(tiny_drafts["other"]))
+    engine = LLMEngine(tiny_dir, EngineConfig(dtype="fp32", speculative=spec))
+    assert run_staggered(engine, prompts, GREEDY, every=30) == hf_greedy(tiny_dir, prompts, 24)
+    assert engine.stats()["prefix_cache_hits"] >= 3 * (len(shared) // 16) and engine.spec_stats["drafts"] > 0
