@@ -170,7 +170,7 @@ def models(as_json: bool = JSON, debug: bool = DEBUG) -> None:
         stdout.print(f"  {where}", highlight=False, soft_wrap=True)
 
 
-TASKS_DEFAULT = "ppl,kl,retrieval,tool-use"
+TASKS_DEFAULT = "ppl,kl,retrieval,tool-use"  # (eval.runner.DEFAULT_TASKS)
 
 
 @app.command(

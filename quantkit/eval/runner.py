@@ -25,6 +25,7 @@ from quantkit.eval.stats import DEGRADED, EQUIVALENT, compare
 from quantkit.ui import Reporter
 
 TASKS = ("ppl", "kl", "retrieval", "tool-use", "acceptance")
+DEFAULT_TASKS = TASKS[:4]  # acceptance (a speculative draft's) is asked for by name
 RETRIEVAL_TASKS = ("passkey", "niah_number", "niah_word", "niah_uuid", "niah_multikey", "niah_multivalue",
                    "niah_multiquery", "variable_tracking", "json_kv")
 # Distribution verdict thresholds (nats per token, and perplexity ratio).
@@ -35,7 +36,7 @@ TOOL_FLOOR = 0.2  # a baseline scoring under this cannot tell the models apart o
 
 @dataclass(slots=True)
 class EvalConfig:
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = DEFAULT_TASKS
     lengths: tuple[int, ...] = (1024, 2048)
     limit: int | None = None  # items per task and length (retrieval), rows (ppl/kl), items (tool use)
     margin: float = 0.02
