@@ -73,7 +73,7 @@ def decode_seconds(engine, rows: int, context: int = 256, repeats: int = 7) -> f
     t = lambda x: torch.tensor(x, dtype=torch.long, device=engine.cfg.device)
     pos = list(range(context, context + rows))
     batch = Batch(t([5] * rows), t(pos), t([blocks[p // bs] * bs + p % bs for p in pos]), [], t(list(range(rows))),
-                  Decodes(t(list(range(rows))), t([blocks] * rows), t([p + 1 for p in pos])))
+                  Decodes.of(list(range(rows)), [blocks] * rows, [p + 1 for p in pos], engine.cfg.device))
     times = []
     for _ in range(repeats + 2):  # (the first two warm the kernels' thread pools and caches up)
         start = time.perf_counter()

@@ -228,9 +228,8 @@ class LLMEngine:
         from quantkit.models import resolve
 
         path = resolve(self.cfg.speculative.model).path
-        drafter = DraftModel(path, self.dtype, self.cfg.kernel, self.cfg.device, self.cfg.fused, self.cfg.block_size)
-        check_draft(self.path, path, self.tokenizer, serving_tokenizer(path))
-        return drafter
+        check_draft(self.path, path, self.tokenizer, serving_tokenizer(path))  # before its weights load
+        return DraftModel(path, self.dtype, self.cfg.kernel, self.cfg.device, self.cfg.fused, self.cfg.block_size)
 
     def reset_spec_stats(self) -> None:
         """Zero the speculation counters (vLLM's spec_decode metrics): sequence steps with drafts, draft tokens,
@@ -319,10 +318,7 @@ class LLMEngine:
                 wants.append((seq, len(wanted)))
                 wanted += range(offset + n - 1 - len(seq.draft), offset + n)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.cfg.device)
-        decodes = None
-        if decode_rows:
-            width = max(map(len, decode_tables))
-            decodes = Decodes(t(decode_rows), t([b + [0] * (width - len(b)) for b in decode_tables]), t(decode_lens))
+        decodes = Decodes.of(decode_rows, decode_tables, decode_lens, self.cfg.device)
         return Batch(t(tokens), t(positions), t(slots), seqs, t(wanted), decodes), wants, scores
 
     def _advance(self, seq: Sequence, samples: list[Sample]) -> RequestOutput:

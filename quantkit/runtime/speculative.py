@@ -134,8 +134,7 @@ class DraftModel:
                 slices.append(SeqSlice(offset, n, start, torch.tensor(blocks, dtype=torch.long)))
             wanted.append(offset + n - 1)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
-        width = max(map(len, tables), default=0)
-        decodes = Decodes(t(rows), t([b + [0] * (width - len(b)) for b in tables]), t(lengths)) if rows else None
+        decodes = Decodes.of(rows, tables, lengths, self.device)
         logits = self.model(Batch(t(tokens), t(positions), t(slots), slices, t(wanted), decodes), self.cache)
         return logits.argmax(-1).tolist()
 
@@ -150,7 +149,7 @@ def check_draft(target_path: Path, draft_path: Path, target_tok, draft_tok) -> N
         diff = next((t for t in sorted(a.keys() | b.keys(), key=lambda t: a.get(t, b.get(t))) if a.get(t) != b.get(t)), None)
         raise QuantkitError(f"draft {draft_path.name} has another tokenizer than the target: token {diff!r} is "
                             f"{a.get(diff)} in the target, {b.get(diff)} in the draft ({len(a):,} vs {len(b):,} tokens)")
-    size = lambda p: sum(f.stat().st_size for f in weight_files(p))
-    if size(draft_path) > size(target_path):
-        raise QuantkitError(f"draft {draft_path.name} ({size(draft_path) / 2**20:,.0f} MiB of weights) is larger than "
-                            f"the target ({size(target_path) / 2**20:,.0f} MiB): it would cost more than it saves")
+    mine, theirs = (sum(f.stat().st_size for f in weight_files(p)) for p in (draft_path, target_path))
+    if mine > theirs:
+        raise QuantkitError(f"draft {draft_path.name} ({mine / 2**20:,.0f} MiB of weights) is larger than "
+                            f"the target ({theirs / 2**20:,.0f} MiB): it would cost more than it saves")

@@ -31,6 +31,15 @@ class Decodes:
     tables: Tensor  # [D, max_blocks] block ids, padded with block 0 (masked out by `lengths`)
     lengths: Tensor  # [D] keys each one sees (its position + 1)
 
+    @classmethod
+    def of(cls, rows: list[int], tables: list[list[int]], lengths: list[int], device: str) -> Decodes | None:
+        """From lists (tables of any lengths, padded here); None when there are no rows."""
+        if not rows:
+            return None
+        width = max(map(len, tables))
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+        return cls(t(rows), t([b + [0] * (width - len(b)) for b in tables]), t(lengths))
+
 
 @dataclass(slots=True)
 class Batch:
