@@ -225,8 +225,8 @@ def eval_(
             raise QuantkitError("--backend endpoint needs --endpoint URL (e.g. http://127.0.0.1:8000/v1)")
         if tasks == TASKS_DEFAULT:  # an endpoint returns no logits: the generation tasks are what it can run
             chosen = ("retrieval", "tool-use")
-        elif {"ppl", "kl"} & set(chosen):
-            raise QuantkitError("ppl and kl need full logits, which an endpoint does not return: use --tasks retrieval,tool-use")
+        elif {"ppl", "kl", "acceptance"} & set(chosen):
+            raise QuantkitError("ppl, kl and acceptance need full logits, which an endpoint does not return: use --tasks retrieval,tool-use")
         backend = "runtime" if backend == "endpoint" else backend  # how the baseline runs here
     cfg = EvalConfig(tasks=chosen, lengths=_lengths(lengths), limit=limit, margin=margin / 100, seed=seed,
                      bfcl=tuple(c for c in bfcl.split(",") if c), tool_file=tool_file, text=text,
