@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,12 @@ import torch
 
 if not torch.cuda.is_available():  # before anything imports triton: its kernels then run in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# the runtime's panel cache (runtime/layers/panel_cache.py) in a folder of this run, for in-process models and the
+# servers the tests launch: test checkpoints never fill the user's cache
+_PANELS = tempfile.mkdtemp(prefix="quantkit-panels-")
+os.environ.setdefault("QUANTKIT_PANEL_CACHE", _PANELS)
+atexit.register(shutil.rmtree, _PANELS, True)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from quantkit import QuantkitError
 from quantkit.config import Scheme
 from quantkit.formats.pack import pack_int32
+from quantkit.formats.safetensors_file import ST_NAMES, header_bytes
 from quantkit.quant.qparams import QuantizedWeight
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -120,13 +121,6 @@ def parse_size(text: str) -> int:
     return size
 
 
-ST_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-
-
 class ShardWriter:
     """Streams tensors into safetensors shards of at most `max_bytes`, holding none of them in memory.
 
@@ -170,12 +164,9 @@ class ShardWriter:
             self.data = open(self.out / f".part-{len(self.parts):05d}.data", "wb")
         data_path = Path(self.data.name)
         self.data.close()
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # tensor data starts 8-byte aligned
         part = self.out / f".part-{len(self.parts):05d}.safetensors"
         with open(part, "wb") as f, open(data_path, "rb") as data:
-            f.write(len(header).to_bytes(8, "little"))
-            f.write(header)
+            f.write(header_bytes(self.header))
             shutil.copyfileobj(data, f, 1 << 22)
         data_path.unlink()
         self.parts.append((part, list(self.header), self.size))

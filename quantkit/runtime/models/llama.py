@@ -28,6 +28,7 @@ from quantkit.runtime.layers.attention import Batch, paged_attention
 from quantkit.runtime.layers.basic import RMSNorm, Rotary, rotate_heads, silu_mul
 from quantkit.runtime.layers.decoder import FusedDecoder
 from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse, to_device
+from quantkit.runtime.layers.panel_cache import PanelCache
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -63,7 +64,7 @@ class Weights:
         if module + PACKED in self.tensors:
             scheme = scheme_for(module, self.quant_config)
             words, in_features, scale, zp = packed_module(self.tensors, module, scheme)
-            return QuantWeight(words, in_features, scale, zp, scheme.bits, scheme.group_size)
+            return QuantWeight((words,), in_features, scale, zp, scheme.bits, scheme.group_size)
         return self.tensor(f"{module}.weight")
 
     def tensor(self, name: str) -> Tensor:
@@ -76,17 +77,19 @@ class Weights:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, w: Weights, i: int, cfg: ModelConfig, dtype: torch.dtype, kernel: str, fused: bool):
+    def __init__(self, w: Weights, i: int, cfg: ModelConfig, dtype: torch.dtype, kernel: str, fused: bool, cache: PanelCache):
         super().__init__()
         p = f"model.layers.{i}"
         self.index, self.cfg, self.kernel, self.fused = i, cfg, kernel, fused
         attn = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
         biases = [w.get(f"{m}.bias") for m in attn]
         self.qkv = Linear(fuse([w.linear(m) for m in attn]), torch.cat(biases) if all(b is not None for b in biases) else None,
-                          dtype, kernel, fused)
-        self.o = Linear(w.linear(f"{p}.self_attn.o_proj"), w.get(f"{p}.self_attn.o_proj.bias"), dtype, kernel, fused)
-        self.gate_up = Linear(fuse([w.linear(f"{p}.mlp.gate_proj"), w.linear(f"{p}.mlp.up_proj")]), None, dtype, kernel, fused)
-        self.down = Linear(w.linear(f"{p}.mlp.down_proj"), None, dtype, kernel, fused)
+                          dtype, kernel, fused, cache=cache, name=f"{p}.qkv")
+        self.o = Linear(w.linear(f"{p}.self_attn.o_proj"), w.get(f"{p}.self_attn.o_proj.bias"), dtype, kernel, fused,
+                        cache=cache, name=f"{p}.o")
+        self.gate_up = Linear(fuse([w.linear(f"{p}.mlp.gate_proj"), w.linear(f"{p}.mlp.up_proj")]), None, dtype, kernel, fused,
+                              cache=cache, name=f"{p}.gate_up")
+        self.down = Linear(w.linear(f"{p}.mlp.down_proj"), None, dtype, kernel, fused, cache=cache, name=f"{p}.down")
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(w.tensor(f"{p}.input_layernorm.weight"), eps, dtype, fused)
         self.post_norm = RMSNorm(w.tensor(f"{p}.post_attention_layernorm.weight"), eps, dtype, fused)
@@ -124,16 +127,19 @@ class LlamaModel(nn.Module):
         predicted = fused_kernels.panel_dtypes() if self.fused else ()
         t1 = time.perf_counter()
         w = Weights(path)
+        cache = (PanelCache.of(path, {"dtype": dtype, "kernel": kernel, "lm_head": lm_head, "panels": predicted})
+                 if self.fused else PanelCache(None))
         t2 = time.perf_counter()
         embed = w.tensor("model.embed_tokens.weight")
         # float32 compute keeps a 16-bit embedding as stored (rows widen exactly on lookup): not a second, 2x copy
         self.embed = embed if dtype == torch.float32 and embed.element_size() == 2 else embed.to(dtype)
-        self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, dtype, kernel, self.fused) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, dtype, kernel, self.fused, cache) for i in range(cfg.num_layers))
         self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype, self.fused)
         head = w.get("lm_head.weight")
         tied = head is None or cfg.tie_word_embeddings
         head = self.embed if tied else head
-        self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel, self.fused, head=True)
+        self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel, self.fused, head=True,
+                              cache=cache, name="lm_head")
         if tied and self.lm_head.mode == "bf16_panels":  # the embedding reads its rows from the head's panels: one copy
             self.embed = None
         self.rotary = Rotary(path, hf, dtype, device)
@@ -142,6 +148,9 @@ class LlamaModel(nn.Module):
         ops = fused_kernels.ops() if self.fused else None
         self.built = not self.fused or (ops is not None and tuple(ops.panel_dtypes()) == predicted)  # else see `load`
         t4 = time.perf_counter()
+        if self.built:
+            cache.save()
+        self.panels_cached = cache.hit
         self.decoder = (FusedDecoder.build(self.layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
                         if self.fused and self.built else None)
         if device != "cpu":
