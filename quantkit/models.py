@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from quantkit import QuantkitError
+from quantkit.arch import arch_of
 from quantkit.builtin import BUILTINS, gguf_path, part_files
 
 # Decoder-only families whose layers live at `model.layers` with q/k/v/o and gate/up/down projections.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -148,14 +148,6 @@ def read_config(path: Path) -> dict:
         raise QuantkitError(f"cannot read {path / 'config.json'}: {_one_line(e)}") from e
 
 
-def check_supported(config: dict, path: Path) -> None:
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise QuantkitError(
-            f"unsupported architecture {model_type!r} in {path}: quantkit supports {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-
-
 def weight_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
 
@@ -186,7 +178,7 @@ def skeleton(path: Path, compute_dtype: torch.dtype, device: str) -> torch.nn.Mo
     from quantkit.formats.load import SafetensorsSource
 
     config = read_config(path)
-    check_supported(config, path)
+    arch_of(config, path)
     with _quiet_transformers():
         hf_config = AutoConfig.from_pretrained(path)
         hf_config.use_cache = False
@@ -197,7 +189,14 @@ def skeleton(path: Path, compute_dtype: torch.dtype, device: str) -> torch.nn.Mo
     # cast on the way out, which is exact: the values are the same either way.
     inner.embed_tokens.weight = torch.nn.Parameter(SafetensorsSource(path).get("model.embed_tokens.weight").to(device),
                                                    requires_grad=False)
-    inner.embed_tokens.register_forward_hook(lambda module, args, out: out.to(compute_dtype))
+    scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
+    if scale is None:
+        inner.embed_tokens.register_forward_hook(lambda module, args, out: out.to(compute_dtype))
+    else:  # Gemma's sqrt(hidden), applied in the compute dtype as HF does for a model loaded in it
+        inner.embed_tokens.embed_scale = torch.tensor(scale, device=device)
+        inner.embed_tokens.register_forward_hook(
+            lambda module, args, out: torch.nn.functional.embedding(args[0], module.weight).to(compute_dtype)
+            * torch.tensor(scale, dtype=compute_dtype, device=out.device))
     with torch.device(device):  # its tables are non-persistent buffers: recompute them for real
         inner.rotary_emb = type(inner.rotary_emb)(config=hf_config)
     return model.eval()

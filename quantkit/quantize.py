@@ -19,6 +19,7 @@ from torch import nn
 
 import quantkit
 from quantkit import QuantkitError
+from quantkit.arch import Arch, arch_of
 from quantkit.calib.data import CalibConfig, build
 from quantkit.calib.sequential import (
     Batch,
@@ -40,7 +41,6 @@ from quantkit.formats.save import (
 from quantkit.memory import peak_rss_bytes, return_freed_memory
 from quantkit.models import (
     DTYPES,
-    check_supported,
     decoder_layers,
     load_layer,
     load_tokenizer,
@@ -135,13 +135,14 @@ def walk(
     batches: list[Batch] | None,
     recipe: Recipe,
     scale_dtype: torch.dtype,
+    arch: Arch,
     load: Callable[[int, nn.Module], None] = lambda i, layer: None,
     release: Callable[[nn.Module], None] = lambda layer: None,
 ) -> Iterator[tuple[int, nn.Module, LayerResult]]:
     """Quantize layer after layer; yields each finished layer (still materialized) with its result."""
     for i, layer in enumerate(layers):
         load(i, layer)
-        result, batches = quantize_layer(layer, f"model.layers.{i}", targets[i], batches, recipe, scale_dtype)
+        result, batches = quantize_layer(layer, f"model.layers.{i}", targets[i], batches, recipe, scale_dtype, arch)
         yield i, layer, result
         release(layer)
 
@@ -191,7 +192,7 @@ def run_quantize(
     with ui.step(f"resolving {spec}"):
         resolved = resolve(spec, status=ui.note)
     config = read_config(resolved.path)
-    check_supported(config, resolved.path)
+    arch = arch_of(config, resolved.path)
     recipe.dtype = recipe.dtype or source_dtype(config)
     dtype = DTYPES[recipe.dtype]
     if recipe.method.startswith("bnb"):
@@ -233,7 +234,7 @@ def run_quantize(
         label = f"quantizing ({recipe.method}" + (f", int{recipe.bits})" if recipe.scheme() else ")")
         with ui.bar(label, len(layers)) as advance:
             for i, layer, result in walk(
-                layers, by_layer(targets, len(layers)), batches, recipe, dtype,
+                layers, by_layer(targets, len(layers)), batches, recipe, dtype, arch,
                 load=lambda i, layer: load_layer(layer, f"model.layers.{i}", source, device),
                 release=release_layer,
             ):
@@ -296,4 +297,5 @@ def quantize_loaded(model: nn.Module, recipe: Recipe, scale_dtype: torch.dtype, 
             raise QuantkitError(f"method {recipe.method} needs calibration rows")
         device = next(model.parameters()).device.type
         batches = first_layer_inputs(model, layers, calib_ids, CALIB_BATCH, device)
-    return {f"model.layers.{i}": r for i, _, r in walk(layers, by_layer(targets, len(layers)), batches, recipe, scale_dtype)}
+    arch = arch_of(model.config.to_dict())
+    return {f"model.layers.{i}": r for i, _, r in walk(layers, by_layer(targets, len(layers)), batches, recipe, scale_dtype, arch)}

@@ -94,6 +94,41 @@ def qwen05_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma270_dir() -> Path:
+    """The real Gemma 3 270M (base)."""
+    return builtin_dir("gemma-3-270m", "QUANTKIT_REQUIRE_GEMMA")
+
+
+def make_tiny_gemma3(path: Path, window: int = 8, seed: int = 0) -> Path:
+    """A random 4-layer Gemma 3 (bf16): sliding-window layers around one full-attention layer, each kind with its own
+    rope base, query_pre_attn_scalar unlike head_dim, and norms away from zero (Gemma's (1 + w) must matter)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=window, query_pre_attn_scalar=24, max_position_embeddings=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        tie_word_embeddings=True, pad_token_id=3, bos_token_id=1, eos_token_id=2,
+    )
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.5)
+    model.to(torch.bfloat16).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma") / "model")
+
+
+@pytest.fixture(scope="session")
 def qwen05_w4(qwen05_dir, tmp_path_factory) -> Path:
     """`quantkit quantize qwen2.5-coder-0.5b --bits 4` (RTN, group 128), as a user runs it."""
     from quantkit.cli import main

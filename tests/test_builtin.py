@@ -162,7 +162,7 @@ def test_conversion_equals_transformers_loader(tmp_path, monkeypatch):
 def test_bad_gguf_inputs_are_one_line_and_leave_no_cache(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     cases = {
-        "unsupported architecture 'gemma3'": write_tiny_gguf(tmp_path / "gemma.gguf", arch="gemma3"),
+        "unsupported architecture 'phi3'": write_tiny_gguf(tmp_path / "phi3.gguf", arch="phi3"),
         "Q8_1, which cannot be dequantized": write_tiny_gguf(tmp_path / "q81.gguf", bad_type=True),
         "cannot read GGUF": tmp_path / "junk.gguf",
     }

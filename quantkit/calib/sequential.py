@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from quantkit.arch import LLAMA, Arch
 from quantkit.config import Recipe, Scheme
 from quantkit.memory import reuse_freed_memory
 from quantkit.quant import awq
@@ -35,7 +36,16 @@ class Batch:
     """The inputs of one decoder layer for a slice of the calibration rows."""
 
     hidden: Tensor  # [batch, seq, hidden]
-    kwargs: dict  # position embeddings, mask, ...: exactly what the model passes to its layers
+    kwargs: dict  # position embeddings, mask, ...: exactly what the model passes to the layer being run
+    by_kind: dict[str, dict] = field(default_factory=dict)  # those kwargs per kind of layer (Gemma's sliding-window
+    # and full-attention layers get different masks and rope)
+
+    def to_layer(self, layer: nn.Module) -> None:
+        self.kwargs = self.by_kind.get(layer_kind(layer), self.kwargs)
+
+
+def layer_kind(layer: nn.Module) -> str:
+    return getattr(layer, "attention_type", None) or "all"
 
 
 @dataclass(slots=True)
@@ -50,24 +60,40 @@ class _Stop(Exception):
 
 @torch.no_grad()
 def first_layer_inputs(model: nn.Module, layers: nn.ModuleList, ids: Tensor, batch_size: int, device: str) -> list[Batch]:
-    """Run the model's embedding (and mask/RoPE setup) on the calibration rows; stop at layer 0."""
+    """Run the model's embedding (and mask/RoPE setup) on the calibration rows, up to the first layer of each
+    kind: every layer is replaced by a stand-in that records its inputs and passes the hidden states on, and the
+    run stops once each kind of layer has been seen."""
+    kinds = {layer_kind(layer) for layer in layers}
     captured: list[Batch] = []
 
-    def grab(module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
-        captured.append(Batch(hidden, kwargs))
-        raise _Stop
+    class Grab(nn.Module):
+        def __init__(self, kind: str):
+            super().__init__()
+            self.kind = kind
 
-    handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+        def forward(self, hidden=None, *args, **kwargs):
+            hidden = hidden if hidden is not None else kwargs.pop("hidden_states")
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache", "cache")}
+            if not captured[-1].by_kind:
+                captured[-1].hidden, captured[-1].kwargs = hidden, kwargs
+            captured[-1].by_kind.setdefault(self.kind, kwargs)
+            if len(captured[-1].by_kind) == len(kinds):
+                raise _Stop
+            return hidden
+
+    originals = list(layers)
+    for i, layer in enumerate(originals):
+        layers[i] = Grab(layer_kind(layer))
     try:
         for chunk in ids.split(batch_size):
+            captured.append(Batch(None, {}))
             try:
                 model(input_ids=chunk.to(device), use_cache=False)
             except _Stop:
                 pass
     finally:
-        handle.remove()
+        for i, layer in enumerate(originals):
+            layers[i] = layer
     return captured
 
 
@@ -166,11 +192,11 @@ def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
 
 
 @torch.no_grad()
-def quantize_awq(layer, local: dict[str, nn.Module], batches, scheme: Scheme, dtype) -> dict[str, QuantizedWeight]:
+def quantize_awq(layer, local: dict[str, nn.Module], batches, scheme: Scheme, dtype, arch: Arch) -> dict[str, QuantizedWeight]:
     """Scale search and folding per mapping, then a clipping search per Linear, then RTN."""
     rows = collect(layer, local, batches, _rows)
     x_of = {n: rows.stats[rows.owner[n]] for n in local}
-    for m in awq.LLAMA_MAPPINGS:
+    for m in arch.awq:
         prev = layer.get_submodule(m.prev)
         balance = [local.get(b) for b in m.balance]
         if any(b is None for b in balance) or (isinstance(prev, nn.Linear) and prev.out_features != balance[0].in_features):
@@ -178,10 +204,13 @@ def quantize_awq(layer, local: dict[str, nn.Module], batches, scheme: Scheme, dt
         s, _ = awq.search_scale(x_of[m.balance[0]], [b.weight for b in balance], scheme, dtype)
         for b in balance:
             b.weight.mul_(s.to(b.weight.dtype))
-        if isinstance(prev, nn.Linear):
+        if isinstance(prev, nn.Linear):  # its output rows, bias included (Qwen's v_proj has one)
             prev.weight.div_(s.to(prev.weight.dtype).unsqueeze(1))
-        else:
-            prev.weight.div_(s.to(prev.weight.dtype))
+            if prev.bias is not None:
+                prev.bias.div_(s.to(prev.bias.dtype))
+        else:  # a norm scaling by (offset + w): the folded scale is (offset + w) / s
+            w = prev.weight.float()
+            prev.weight.copy_((arch.norm_offset + w) / s.float() - arch.norm_offset)
     rows = collect(layer, local, batches, _rows)  # inputs as the scaled layer now sees them
     out = {}
     for name, module in local.items():
@@ -242,24 +271,27 @@ def propagate(layer: nn.Module, batches: list[Batch], kv_strategy: str | None) -
     with KVObserver(layer, kv_strategy) as kv:
         for b in batches:
             kv.batch = b.kwargs
-            outputs.append(Batch(_output(layer(b.hidden, **b.kwargs)), b.kwargs))
+            outputs.append(Batch(_output(layer(b.hidden, **b.kwargs)), b.kwargs, b.by_kind))
     return outputs, kv.amax
 
 
 @torch.no_grad()
 def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list[Batch], recipe: Recipe,
-                    scheme: Scheme, dtype: torch.dtype, kv_strategy: str | None):
+                    scheme: Scheme, dtype: torch.dtype, kv_strategy: str | None, arch: Arch):
     """GPTQ over one Llama-family layer. True sequential (the default): q/k/v, then o, gate/up and down, each
     from the outputs of the sublayers quantized before it. Otherwise (`recipe.true_sequential` False, as
     llm-compressor does) every Hessian comes from one pass of the dense layer and all are solved after it.
 
-    Follows the decoder layer exactly: h = x + o(attn(ln1(x))); out = h + down(act(gate(ln2(h))) * up(ln2(h))).
+    Follows the decoder layer exactly: h = x + o(attn(ln1(x))); out = h + down(act(gate(ln2(h))) * up(ln2(h))), with
+    the family's norm on each branch's output where it has one (Gemma: h = x + norm(o(...)), likewise the MLP's).
     Memory is what bounds a layer walk, so the batches are rewritten in place (x becomes h, then out) and the
     MLP's intermediate, 5.8x the hidden size, is never kept: it is computed a few rows at a time for the down projection's
     Hessian and again, from the quantized gate/up, for the outputs (one more gate/up GEMM a layer; a 1.5B model
     kept 1.2 GB of it in float32). Each Hessian is factored in its own buffer (no copy beside it).
     Returns (quantized weights, the next layer's inputs, K/V absmax)."""
     attn, mlp = layer.self_attn, layer.mlp
+    mlp_norm = layer.get_submodule(arch.mlp_norm)
+    attn_out, mlp_out = (layer.get_submodule(n) if n else nn.Identity() for n in (arch.attn_out_norm, arch.mlp_out_norm))
     cfg = GPTQConfig(block_size=recipe.block_size, damp=recipe.damp, actorder=recipe.actorder == "static")
     qweights: dict[str, QuantizedWeight] = {}
     qkv, o, gate_up, down = (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
@@ -282,7 +314,7 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
 
     def mid(x: Tensor) -> Iterator[Tensor]:  # the down projection's input, a few calibration rows at a time
         for piece in x.split(MID_ROWS):
-            y = layer.post_attention_layernorm(piece)
+            y = mlp_norm(piece)
             yield mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y)
 
     def o_input(b: Batch) -> Tensor:  # o_proj's input for one batch, from the current q/k/v
@@ -307,8 +339,8 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
             hs["qkv"] = hessian([layer.input_layernorm(b.hidden)], hs["qkv"])
             o_in = o_input(b)
             hs["o"] = hessian([o_in], hs["o"])
-            h = b.hidden + attn.o_proj(o_in)
-            hs["gate_up"] = hessian([layer.post_attention_layernorm(h)], hs["gate_up"])
+            h = b.hidden + attn_out(attn.o_proj(o_in))
+            hs["gate_up"] = hessian([mlp_norm(h)], hs["gate_up"])
             hs["down"] = hessian(mid(h), hs["down"])
         for names, key in ((qkv, "qkv"), (o, "o"), (gate_up, "gate_up"), (down, "down")):
             solve(names, hs.pop(key))
@@ -322,32 +354,34 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
     if recipe.true_sequential:
         solve(o, hessian(o_in))
     for b in batches:  # x -> h, freeing each attention output as it is used
-        b.hidden = b.hidden + attn.o_proj(o_in.pop(0))
+        b.hidden = b.hidden + attn_out(attn.o_proj(o_in.pop(0)))
     if recipe.true_sequential:
-        solve(gate_up, hessian(layer.post_attention_layernorm(b.hidden) for b in batches))
+        solve(gate_up, hessian(mlp_norm(b.hidden) for b in batches))
         solve(down, hessian(m for b in batches for m in mid(b.hidden)))
     for b in batches:  # h -> the layer's output
-        b.hidden = b.hidden + torch.cat([mlp.down_proj(m) for m in mid(b.hidden)])
+        b.hidden = b.hidden + mlp_out(torch.cat([mlp.down_proj(m) for m in mid(b.hidden)]))
     return qweights, batches, kv.amax
 
 
 @torch.no_grad()
 def quantize_layer(layer: nn.Module, prefix: str, targets: list[Target], batches: list[Batch] | None,
-                   recipe: Recipe, scale_dtype: torch.dtype) -> tuple[LayerResult, list[Batch] | None]:
+                   recipe: Recipe, scale_dtype: torch.dtype, arch: Arch = LLAMA) -> tuple[LayerResult, list[Batch] | None]:
     """Quantize one decoder layer in place (weights become their fake-quantized values, in the precision
     a consumer dequantizes to) and return the quantized weights plus the next layer's inputs."""
+    for b in batches or ():
+        b.to_layer(layer)
     scheme = recipe.scheme()
     kv_strategy = recipe.kv_strategy if recipe.kv_cache else None
     local = {t.name.removeprefix(prefix + "."): t.module for t in targets}
     if scheme is not None and recipe.method == "gptq":
         with reuse_freed_memory():
-            qweights, batches, kv = gptq_sequential(layer, local, batches, recipe, scheme, scale_dtype, kv_strategy)
+            qweights, batches, kv = gptq_sequential(layer, local, batches, recipe, scheme, scale_dtype, kv_strategy, arch)
         return LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()}, kv), batches
     if scheme is None:
         qweights = {}
     elif recipe.method == "awq":
         with reuse_freed_memory():
-            qweights = quantize_awq(layer, local, batches, scheme, scale_dtype)
+            qweights = quantize_awq(layer, local, batches, scheme, scale_dtype, arch)
     else:
         qweights = {n: rtn(m.weight, scheme, scale_dtype) for n, m in local.items()}
     for name, qw in qweights.items():

@@ -22,8 +22,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from quantkit import QuantkitError
+from quantkit.arch import gguf_names
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # GGUF names; a llama GGUF named "mistral" loads as Mistral
 ROW_BLOCK_BYTES = 32 << 20  # dequantize big tensors this many float32 bytes at a time
 MAX_SHARD_BYTES = 2 << 30
 _PLAIN = {GGMLQuantizationType.F32: np.dtype(np.float32), GGMLQuantizationType.F16: np.dtype(np.float16)}  # stored as values
@@ -127,9 +127,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 
 def check_architecture(path: Path) -> str:
     arch, _ = read_tensor_table(path)
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in gguf_names():  # (a llama GGUF named "mistral" loads as Mistral)
         raise QuantkitError(
-            f"unsupported architecture {arch!r} in GGUF {path.name}: quantkit converts {', '.join(SUPPORTED_ARCHS)} GGUFs"
+            f"unsupported architecture {arch!r} in GGUF {path.name}: quantkit converts {', '.join(gguf_names())} GGUFs"
         )
     return arch
 

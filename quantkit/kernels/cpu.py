@@ -75,23 +75,33 @@ def dequant_int8(q: Tensor, scale: Tensor) -> Tensor:
     return q.to(scale.dtype) * scale.unsqueeze(1)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0) -> Tensor:
     """Causal attention of one sequence's new queries over all its keys, with PyTorch's fused SDPA.
 
-    q [n, heads, d] at positions start..start+n-1; k, v [start+n, kv_heads, d] -> [n, heads, d]."""
+    q [n, heads, d] at positions start..start+n-1; k, v [start+n, kv_heads, d] -> [n, heads, d]. With `window`,
+    a query sees only the last `window` keys up to its own position."""
     n, total = q.shape[0], k.shape[0]
     mask = None
-    if n > 1 and start > 0:  # queries see keys up to their own position (a decode query sees everything)
+    if window and total > window:
+        mask = window_mask(start, n, total, window, q.device)
+    elif n > 1 and start > 0:  # queries see keys up to their own position (a decode query sees everything)
         pos_q = torch.arange(start, start + n, device=q.device).unsqueeze(1)
         mask = torch.arange(total, device=q.device).unsqueeze(0) <= pos_q  # [n, total]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, is_causal=n > 1 and start == 0, enable_gqa=True,
+        attn_mask=mask, is_causal=mask is None and n > 1 and start == 0, enable_gqa=True,
     )  # [1, heads, n, d]
     return out[0].transpose(0, 1)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+def window_mask(start: int, n: int, total: int, window: int, device) -> Tensor:
+    """[n, total] True where query start + i sees key j: j <= start + i and j > start + i - window."""
+    pos_q = torch.arange(start, start + n, device=device).unsqueeze(1)
+    pos_k = torch.arange(total, device=device).unsqueeze(0)
+    return (pos_k <= pos_q) & (pos_k > pos_q - window)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, window: int = 0) -> Tensor:
     """One new query per sequence, all sequences at once: q [S, heads, d]; k, v [S, L, kv_heads, d] padded
     past lengths[i] -> [S, heads, d].
 
@@ -100,11 +110,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor
     s, heads, d = q.shape
     kv_heads = k.shape[2]
     if s == 1:
-        return _single_decode_attention(q, k[0, : int(lengths[0])], v[0, : int(lengths[0])])
+        first = max(0, int(lengths[0]) - window) if window else 0
+        return _single_decode_attention(q, k[0, first : int(lengths[0])], v[0, first : int(lengths[0])])
     kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [S, kv_heads, L, d]: 1.6x faster than strided
     qg = q.view(s, kv_heads, heads // kv_heads, d)  # query heads grouped by the KV head they read
     scores = torch.matmul(qg, kt.transpose(2, 3)).float() * d**-0.5  # [S, kv_heads, group, L]
-    pad = torch.arange(k.shape[1], device=q.device).unsqueeze(0) >= lengths.unsqueeze(1)  # [S, L]
+    pos = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
+    pad = pos >= lengths.unsqueeze(1)  # [S, L]
+    if window:
+        pad |= pos < (lengths - window).unsqueeze(1)
     probs = scores.masked_fill_(pad[:, None, None, :], float("-inf")).softmax(-1).to(q.dtype)
     return torch.matmul(probs, vt).reshape(s, heads, d)
 

@@ -28,8 +28,8 @@ def dequantize_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (x.float() * scale).to(dtype)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-    """Causal attention of one sequence's new queries over all its keys.
+def attention(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0) -> Tensor:
+    """Causal attention of one sequence's new queries over all its keys (the last `window` of them, when set).
 
     q [n, heads, d] for positions start..start+n-1; k, v [start+n, kv_heads, d] -> [n, heads, d].
     Grouped-query: each KV head serves heads/kv_heads query heads.
@@ -42,11 +42,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     scores = torch.einsum("nhd,thd->hnt", q.float(), k.float()) / d**0.5  # [heads, n, total]
     pos_q = torch.arange(start, start + n, device=q.device).unsqueeze(1)
     pos_k = torch.arange(total, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+    hidden = pos_k > pos_q
+    if window:
+        hidden |= pos_k <= pos_q - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnt,thd->nhd", scores.softmax(-1), v.float()).to(q.dtype)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, window: int = 0) -> Tensor:
     """One new query per sequence: q [S, heads, d] over k, v [S, L, kv_heads, d], of which the first
     lengths[i] are sequence i's -> [S, heads, d]."""
-    return torch.stack([attention(q[i : i + 1], k[i, : int(n)], v[i, : int(n)], int(n) - 1)[0] for i, n in enumerate(lengths)])
+    return torch.stack([attention(q[i : i + 1], k[i, : int(n)], v[i, : int(n)], int(n) - 1, window)[0]
+                        for i, n in enumerate(lengths)])

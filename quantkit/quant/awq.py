@@ -10,8 +10,6 @@ range where that lowers the output error. Pure functions over tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -25,22 +23,6 @@ from quantkit.quant.qparams import (
 )
 
 
-@dataclass(slots=True, frozen=True)
-class Mapping:
-    """Scales fold into `prev` (a norm's weight, or a Linear's output rows) and into `balance`'s columns."""
-
-    prev: str
-    balance: tuple[str, ...]
-
-
-# The Llama family (Llama, Mistral, Qwen2/3, SmolLM). v->o only applies when v's width equals o's input
-# (no grouped-query attention); otherwise it is skipped, as other AWQ implementations do.
-LLAMA_MAPPINGS = (
-    Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
-    Mapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    Mapping("mlp.up_proj", ("mlp.down_proj",)),
-)
 # AutoAWQ leaves q/k unclipped: attention scores are too sensitive to a shrunken range.
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 

@@ -60,13 +60,16 @@ class Batch:
 
 
 def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache, kernel: str,
-                    fused: bool = False) -> Tensor:
+                    fused: bool = False, window: int = 0) -> Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> [T, heads, d].
 
     Prefill chunks gather their context and attend with SDPA (or the reference); decodes attend all at once,
     on the Triton path and the fused CPU op reading the paged blocks in place (after a store that quantises on
-    write; the fused op stores a pure-decode batch's keys itself)."""
+    write; the fused op stores a pure-decode batch's keys itself). With a `window` (sliding-window layers) a query
+    sees only the last `window` keys, its own included; those decodes go through the gathered PyTorch path."""
     d = batch.decodes
+    if window:
+        fused, kernel = False, "reference" if kernel == "reference" else "packed"
     if fused and d is not None and not batch.seqs:
         ks, vs = cache.head_scales[layer]
         return fused_kernels.ops().decode_attention(q, k, v, cache.k[layer], cache.v[layer], batch.slots, d.tables,
@@ -84,7 +87,7 @@ def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, c
     attend = reference.attention if kernel == "reference" else cpu.attention
     for s in batch.seqs:
         keys, values = cache.gather(layer, s.blocks, s.start + s.n)
-        out[s.offset : s.offset + s.n] = attend(q[s.offset : s.offset + s.n], keys, values, s.start)
+        out[s.offset : s.offset + s.n] = attend(q[s.offset : s.offset + s.n], keys, values, s.start, window)
     if d is None:
         return out
     qd = q if pure else q[d.rows]
@@ -98,7 +101,7 @@ def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, c
     else:
         keys, values = cache.gather_padded(layer, d.tables)  # [D, max_blocks * block_size, kv_heads, d]
         batched = reference.decode_attention if kernel == "reference" else cpu.decode_attention
-        a = batched(qd, keys, values, d.lengths)
+        a = batched(qd, keys, values, d.lengths, window)
     if pure:
         return a
     out[d.rows] = a

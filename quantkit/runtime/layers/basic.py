@@ -8,20 +8,25 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from quantkit import QuantkitError
 from quantkit.kernels import fused as fused_kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: Tensor, eps: float, dtype: torch.dtype, fused: bool = False):
+    """Llama's norm, w * norm(x) rounded to x's dtype first; with `offset` (Gemma: 1), (offset + w) * norm(x) in
+    float32, then rounded, as Gemma computes it (the PyTorch ops: the fused op has Llama's rounding)."""
+
+    def __init__(self, weight: Tensor, eps: float, dtype: torch.dtype, fused: bool = False, offset: float = 0.0):
         super().__init__()
-        self.weight, self.eps, self.fused = weight.to(dtype).contiguous(), eps, fused
+        self.eps, self.fused, self.offset = eps, fused and not offset, offset
+        self.weight = (offset + weight.float()).contiguous() if offset else weight.to(dtype).contiguous()
 
     def forward(self, x: Tensor) -> Tensor:  # [..., hidden]
         if self.fused:
             return fused_kernels.ops().rms_norm(x.contiguous(), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return (h * self.weight).to(x.dtype) if self.offset else self.weight * h.to(x.dtype)
 
     def add(self, x: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
         """The residual add before a norm: (x + r, norm(x + r))."""
@@ -36,13 +41,17 @@ class Rotary:
     rope (theta only: SmolLM2, Qwen2.5) is computed here from config.json with HF's own formula; scaled variants
     (Llama 3, YaRN, dynamic, ...) use HF's rotary class, whose import costs a second or two of start-up."""
 
-    def __init__(self, path: Path, hf: dict, dtype: torch.dtype, device: str):
+    def __init__(self, path: Path, hf: dict, dtype: torch.dtype, device: str, kind: str = "full_attention"):
         self.dtype, self.scaling, self.rope = dtype, 1.0, None
-        params = rope_parameters(hf)
-        if params.get("rope_type", "default") == "default":
+        params = rope_parameters(hf, kind)
+        if params.get("rope_type", "default") in ("default", "linear"):
             dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * hf.get("partial_rotary_factor", 1.0))
             self.inv_freq = 1.0 / (params.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            if params.get("rope_type") == "linear":  # positions divided by the factor, as HF's linear scaling
+                self.inv_freq = self.inv_freq / params["factor"]
             self.inv_freq = self.inv_freq.to(device)  # [dim / 2]
+        elif set(rope_parameters_by_kind(hf)) - {"_"}:
+            raise QuantkitError(f"{path}: rope type {params.get('rope_type')!r} on a model with per-layer ropes is not supported")
         else:
             from transformers import AutoConfig
             from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -59,14 +68,26 @@ class Rotary:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
 
-def rope_parameters(hf: dict) -> dict:
-    """rope_type / rope_theta / scaling from a config.json of either layout: transformers 5's `rope_parameters`,
-    or the older top-level `rope_theta` with `rope_scaling`."""
-    if hf.get("rope_parameters"):
-        return dict(hf["rope_parameters"])
+def rope_parameters(hf: dict, kind: str = "full_attention") -> dict:
+    """rope_type / rope_theta / scaling for one kind of layer, from a config.json of either layout: transformers
+    5's `rope_parameters` (one dict, or one per layer kind: Gemma 3's sliding and full layers), or the older
+    top-level `rope_theta` with `rope_scaling` (and Gemma 3's `rope_local_base_freq` for sliding layers)."""
+    by_kind = rope_parameters_by_kind(hf)
+    if by_kind:
+        return dict(by_kind.get(kind) or by_kind.get("_") or {})
+    if kind == "sliding_attention" and hf.get("rope_local_base_freq"):
+        return {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
     scaling = dict(hf.get("rope_scaling") or {})
     scaling.setdefault("rope_type", scaling.pop("type", "default"))
     return {**scaling, "rope_theta": hf.get("rope_theta", 10000.0)}
+
+
+def rope_parameters_by_kind(hf: dict) -> dict[str, dict]:
+    """transformers 5's `rope_parameters` keyed by layer kind; a single dict under "_"; {} when absent."""
+    params = hf.get("rope_parameters")
+    if not params:
+        return {}
+    return dict(params) if all(isinstance(v, dict) for v in params.values()) else {"_": dict(params)}
 
 
 def rotate_heads(x: Tensor, heads: int, cos: Tensor, sin: Tensor, fused: bool) -> Tensor:
@@ -83,6 +104,12 @@ def silu_mul(gate_up: Tensor, fused: bool) -> Tensor:
         return fused_kernels.ops().silu_mul(gate_up.contiguous())
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: Tensor) -> Tensor:
+    """GeGLU: GELU(gate, tanh approximation) * up for gate_up [T, 2 * inter] -> [T, inter] (Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

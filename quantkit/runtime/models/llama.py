@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from quantkit import QuantkitError
+from quantkit.arch import ARCHS, LLAMA, Arch, arch_of
 from quantkit.formats.load import (
     PACKED,
     packed_module,
@@ -25,13 +26,10 @@ from quantkit.formats.load import (
 from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch, paged_attention
-from quantkit.runtime.layers.basic import RMSNorm, Rotary, rotate_heads, silu_mul
+from quantkit.runtime.layers.basic import RMSNorm, Rotary, gelu_tanh_mul, rotate_heads, silu_mul
 from quantkit.runtime.layers.decoder import FusedDecoder
 from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse, to_device
 from quantkit.runtime.layers.panel_cache import PanelCache
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
 
 @dataclass(slots=True)
 class ModelConfig:
@@ -44,13 +42,27 @@ class ModelConfig:
     rms_norm_eps: float
     max_position: int
     tie_word_embeddings: bool
+    kinds: list[str]  # per layer: "full_attention" or "sliding_attention" (its own rope and a window)
+    windows: list[int]  # per layer: keys a query sees (0: all)
+    query_scale: float  # queries times this before attention's 1 / sqrt(head_dim) (Gemma's query_pre_attn_scalar)
+    final_softcap: float  # logits = cap * tanh(logits / cap) when set (0: none)
 
     @classmethod
     def from_hf(cls, c: dict) -> ModelConfig:
-        heads = c["num_attention_heads"]
-        return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], heads, c.get("num_key_value_heads") or heads,
-                   c.get("head_dim") or c["hidden_size"] // heads, c.get("rms_norm_eps", 1e-6),
-                   c.get("max_position_embeddings", 2048), bool(c.get("tie_word_embeddings", False)))
+        heads, n = c["num_attention_heads"], c["num_hidden_layers"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        kinds = list(c.get("layer_types") or ["full_attention"] * n)
+        window = c.get("sliding_window") or 0
+        if not window or c.get("use_sliding_window") is False:
+            windows = [0] * n
+        elif c.get("layer_types"):
+            windows = [window if k == "sliding_attention" else 0 for k in kinds]
+        else:  # Mistral: one window for every layer
+            windows = [window] * n
+        scalar = c.get("query_pre_attn_scalar") or head_dim
+        return cls(c["vocab_size"], c["hidden_size"], n, heads, c.get("num_key_value_heads") or heads, head_dim,
+                   c.get("rms_norm_eps", 1e-6), c.get("max_position_embeddings", 2048), bool(c.get("tie_word_embeddings", False)),
+                   kinds, windows, (head_dim / scalar) ** 0.5, float(c.get("final_logit_softcapping") or 0.0))
 
 
 class Weights:
@@ -77,10 +89,12 @@ class Weights:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, w: Weights, i: int, cfg: ModelConfig, dtype: torch.dtype, kernel: str, fused: bool, cache: PanelCache):
+    def __init__(self, w: Weights, i: int, cfg: ModelConfig, arch: Arch, dtype: torch.dtype, kernel: str, fused: bool,
+                 cache: PanelCache):
         super().__init__()
         p = f"model.layers.{i}"
         self.index, self.cfg, self.kernel, self.fused = i, cfg, kernel, fused
+        self.kind, self.window, self.activation = cfg.kinds[i], cfg.windows[i], arch.activation
         attn = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
         biases = [w.get(f"{m}.bias") for m in attn]
         self.qkv = Linear(fuse([w.linear(m) for m in attn]), torch.cat(biases) if all(b is not None for b in biases) else None,
@@ -90,14 +104,15 @@ class DecoderLayer(nn.Module):
         self.gate_up = Linear(fuse([w.linear(f"{p}.mlp.gate_proj"), w.linear(f"{p}.mlp.up_proj")]), None, dtype, kernel, fused,
                               cache=cache, name=f"{p}.gate_up")
         self.down = Linear(w.linear(f"{p}.mlp.down_proj"), None, dtype, kernel, fused, cache=cache, name=f"{p}.down")
-        eps = cfg.rms_norm_eps
-        self.input_norm = RMSNorm(w.tensor(f"{p}.input_layernorm.weight"), eps, dtype, fused)
-        self.post_norm = RMSNorm(w.tensor(f"{p}.post_attention_layernorm.weight"), eps, dtype, fused)
+        norm = lambda name: RMSNorm(w.tensor(f"{p}.{name}.weight"), cfg.rms_norm_eps, dtype, fused, arch.norm_offset)
+        self.input_norm, self.post_norm = norm("input_layernorm"), norm(arch.mlp_norm)  # post_norm: the MLP's input norm
+        self.attn_out_norm = norm(arch.attn_out_norm) if arch.attn_out_norm else None
+        self.mlp_out_norm = norm(arch.mlp_out_norm) if arch.mlp_out_norm else None
         qn, kn = w.get(f"{p}.self_attn.q_norm.weight"), w.get(f"{p}.self_attn.k_norm.weight")
-        self.q_norm = None if qn is None else RMSNorm(qn, eps, dtype)
-        self.k_norm = None if kn is None else RMSNorm(kn, eps, dtype)
+        self.q_norm = None if qn is None else RMSNorm(qn, cfg.rms_norm_eps, dtype, offset=arch.norm_offset)
+        self.k_norm = None if kn is None else RMSNorm(kn, cfg.rms_norm_eps, dtype, offset=arch.norm_offset)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: Batch, cache: KVCache) -> Tensor:  # x [T, hidden]
+    def forward(self, x: Tensor, rope: dict[str, tuple[Tensor, Tensor]], batch: Batch, cache: KVCache) -> Tensor:  # x [T, hidden]
         cfg, t = self.cfg, x.shape[0]
         h = self.input_norm(x)
         heads = cfg.num_heads + 2 * cfg.num_kv_heads
@@ -105,11 +120,20 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)
-        qk = rotate_heads(qkv, heads - cfg.num_kv_heads, cos, sin, self.fused)  # queries and keys rotated in one pass
+        qk = rotate_heads(qkv, heads - cfg.num_kv_heads, *rope[self.kind], self.fused)  # queries and keys rotated in one pass
         q, k, v = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], qkv[:, heads - cfg.num_kv_heads :]
-        a = paged_attention(self.index, q, k, v, batch, cache, self.kernel, self.fused)
-        x, h = self.post_norm.add(x, self.o(a.reshape(t, -1)))
-        return x + self.down(silu_mul(self.gate_up(h), self.fused))
+        if cfg.query_scale != 1.0:
+            q = q * cfg.query_scale
+        a = paged_attention(self.index, q, k, v, batch, cache, self.kernel, self.fused, self.window)
+        o = self.o(a.reshape(t, -1))
+        if self.attn_out_norm is None:
+            x, h = self.post_norm.add(x, o)
+        else:
+            x = x + self.attn_out_norm(o)
+            h = self.post_norm(x)
+        gate_up = self.gate_up(h)
+        m = self.down(silu_mul(gate_up, self.fused) if self.activation == "silu" else gelu_tanh_mul(gate_up))
+        return x + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
 
 
 class LlamaModel(nn.Module):
@@ -117,9 +141,14 @@ class LlamaModel(nn.Module):
                  fused: bool = True):
         super().__init__()
         hf = json.loads((path / "config.json").read_text())
-        if not set(hf.get("architectures") or []) & set(ARCHITECTURES):
-            raise QuantkitError(f"the runtime runs the Llama family ({', '.join(ARCHITECTURES)}); {path} is {hf.get('architectures')}")
+        arch = arch_of(hf, path)
+        if not set(hf.get("architectures") or []) & set(arch.classes):
+            classes = ", ".join(c for a in ARCHS for c in a.classes)
+            raise QuantkitError(f"the runtime runs {classes}; {path} is {hf.get('architectures')}")
+        if hf.get("attn_logit_softcapping"):
+            raise QuantkitError(f"{path}: attention logit soft-capping (Gemma 2) is not supported by the runtime")
         self.cfg = cfg = ModelConfig.from_hf(hf)
+        self.arch = arch
         self.dtype = dtype
         # the fused CPU ops serve the CPU kernels; "reference" stays pure PyTorch (the oracle), the GPU has Triton.
         # Expected, not waited for: a first-ever build compiles while the weights load (fused_kernels.prepare)
@@ -133,8 +162,10 @@ class LlamaModel(nn.Module):
         embed = w.tensor("model.embed_tokens.weight")
         # float32 compute keeps a 16-bit embedding as stored (rows widen exactly on lookup): not a second, 2x copy
         self.embed = embed if dtype == torch.float32 and embed.element_size() == 2 else embed.to(dtype)
-        self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, dtype, kernel, self.fused, cache) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype, self.fused)
+        self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, arch, dtype, kernel, self.fused, cache) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype, self.fused, arch.norm_offset)
+        # (HF multiplies the looked-up rows by sqrt(hidden) rounded to the compute dtype)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device) if arch.embed_scale else None
         head = w.get("lm_head.weight")
         tied = head is None or cfg.tie_word_embeddings
         head = self.embed if tied else head
@@ -142,7 +173,7 @@ class LlamaModel(nn.Module):
                               cache=cache, name="lm_head")
         if tied and self.lm_head.mode == "bf16_panels":  # the embedding reads its rows from the head's panels: one copy
             self.embed = None
-        self.rotary = Rotary(path, hf, dtype, device)
+        self.rotary = {kind: Rotary(path, hf, dtype, device, kind) for kind in dict.fromkeys(cfg.kinds)}
         self.kv_scales = self._kv_scales(w)
         t3 = time.perf_counter()
         ops = fused_kernels.ops() if self.fused else None
@@ -151,8 +182,9 @@ class LlamaModel(nn.Module):
         if self.built:
             cache.save()
         self.panels_cached = cache.hit
+        plain = arch == LLAMA and not any(cfg.windows)  # the C++ layer loop runs the Llama layer as it is
         self.decoder = (FusedDecoder.build(self.layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-                        if self.fused and self.built else None)
+                        if self.fused and self.built and plain else None)
         if device != "cpu":
             to_device(self, device)
             self.kv_scales = None if self.kv_scales is None else [(k.to(device), v.to(device)) for k, v in self.kv_scales]
@@ -177,14 +209,18 @@ class LlamaModel(nn.Module):
     def forward(self, batch: Batch, cache: KVCache) -> Tensor:
         """-> float32 logits [S, vocab] at `batch.logits_index`."""
         x = self.embed[batch.tokens].to(self.dtype) if self.embed is not None else self.lm_head.rows(batch.tokens)  # [T, hidden]
-        cos, sin = self.rotary(batch.positions)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {kind: rotary(batch.positions) for kind, rotary in self.rotary.items()}
         if self.decoder is not None and self.decoder.runs(batch):
-            x = self.decoder(x, cos, sin, batch, cache)
+            x = self.decoder(x, *rope["full_attention"], batch, cache)
         else:
             for layer in self.layers:
-                x = layer(x, cos, sin, batch, cache)
-        x = self.norm(x[batch.logits_index])
-        return self.lm_head(x).float()
+                x = layer(x, rope, batch, cache)
+        logits = self.lm_head(self.norm(x[batch.logits_index])).float()
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits
 
 
 def _int8_rows(w: Tensor) -> QuantWeight:

@@ -1,0 +1,70 @@
+"""What each supported model family's decoder differs in: one table, read by the layer walk (calib), AWQ's
+mappings, the runtime's model and the GGUF converter alike. Adding a family is an entry here plus tests.
+
+Everything else a family varies comes from its config.json and is read generically: q/k norms (present in the
+checkpoint or not), grouped-query heads, head size, attention scaling (`query_pre_attn_scalar`), sliding-window
+layers (`layer_types`, `sliding_window`), rope per layer kind (`rope_parameters`), tied or separate head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit import QuantkitError
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """AWQ: scales fold into `prev` (a norm's weight, or a Linear's output rows) and into `balance`'s columns."""
+
+    prev: str
+    balance: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    name: str
+    model_types: tuple[str, ...]  # config.json `model_type`
+    classes: tuple[str, ...]  # config.json `architectures` (the runtime checks these)
+    gguf: tuple[str, ...]  # GGUF `general.architecture` names the converter reads
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's (1 + w), computed in float32
+    mlp_norm: str = "post_attention_layernorm"  # the norm before the MLP
+    attn_out_norm: str | None = None  # a norm on the attention's output before the residual add (Gemma)
+    mlp_out_norm: str | None = None  # and on the MLP's
+    activation: str = "silu"  # the gate's: "silu" or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # embeddings times sqrt(hidden), rounded to the compute dtype as HF does
+
+    @property
+    def awq(self) -> tuple[Mapping, ...]:
+        """prev -> balance pairs, in layer order. v->o applies only when v's width equals o's input (no
+        grouped-query attention), as in other AWQ implementations; a norm on a branch's output (Gemma's
+        post-attention norm) has no Linear after it to fold into."""
+        return (
+            Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
+            Mapping(self.mlp_norm, ("mlp.gate_proj", "mlp.up_proj")),
+            Mapping("mlp.up_proj", ("mlp.down_proj",)),
+        )
+
+
+LLAMA = Arch("llama", ("llama", "mistral", "qwen2", "qwen3"),
+             ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), ("llama", "qwen2", "qwen3"))
+GEMMA3 = Arch("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), ("gemma3",), norm_offset=1.0,
+              mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
+              mlp_out_norm="post_feedforward_layernorm", activation="gelu_tanh", embed_scale=True)
+ARCHS = (LLAMA, GEMMA3)
+
+
+def arch_of(config: dict, where: Path | str = "") -> Arch:
+    """The family of a config.json; an unsupported one is one line naming what is supported."""
+    model_type = config.get("model_type")
+    for a in ARCHS:
+        if model_type in a.model_types:
+            return a
+    supported = ", ".join(t for a in ARCHS for t in a.model_types)
+    raise QuantkitError(f"unsupported architecture {model_type!r}{f' in {where}' if where else ''}: quantkit supports {supported}")
+
+
+def gguf_names() -> tuple[str, ...]:
+    return tuple(n for a in ARCHS for n in a.gguf)

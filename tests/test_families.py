@@ -1,0 +1,113 @@
+"""Model families beyond Llama, each from its entry in quantkit/arch.py: Gemma 3 (tiny random and real weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_cli
+from test_runtime import hf_greedy, prefill_logits, run_staggered
+
+from quantkit.runtime.engine import EngineConfig, LLMEngine
+from quantkit.runtime.sampler import SamplingParams
+
+# prompts and outputs longer than the tiny model's 8-token window, so sliding layers forget and full ones do not
+GEMMA_PROMPTS = [[1] + [(5 * i + j) % 250 + 4 for j in range(n)] for i, n in enumerate([3, 12, 20, 7, 30, 16])]
+
+
+def test_tiny_gemma3_greedy_matches_hf_under_continuous_batching(tiny_gemma_dir):
+    want = hf_greedy(tiny_gemma_dir, GEMMA_PROMPTS, 24)
+    engine = LLMEngine(tiny_gemma_dir, EngineConfig(dtype="fp32", block_size=4))
+    assert run_staggered(engine, GEMMA_PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True)) == want
+    assert [layer.window for layer in engine.model.layers] == [8, 8, 0, 8]
+
+
+@pytest.mark.parametrize("args", [["--bits", "4", "-g", "32"], ["--bits", "8"], ["--bits", "4", "-g", "32", "--method", "gptq"],
+                                  ["--bits", "4", "-g", "32", "--method", "awq"]], ids=["w4", "w8", "gptq", "awq"])
+def test_gemma3_checkpoints_load_in_hf_and_match_the_runtime(tiny_gemma_dir, tmp_path, capsys, args):
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.formats.load import load_dequantized_model
+
+    out = tmp_path / "q"
+    code, _, err = run_cli(capsys, "quantize", str(tiny_gemma_dir), "-o", str(out), "-q", "--calib-samples", "8",
+                           "--calib-seqlen", "64", *args)
+    assert code == 0, err
+    if "awq" in args:  # asymmetric: HF + compressed-tensors re-initialise packed zero points (see test_runtime)
+        hf = load_dequantized_model(out)
+    else:
+        hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+        assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    prompt = torch.tensor(GEMMA_PROMPTS[4])
+    with torch.no_grad():
+        want = hf.eval()(prompt[None]).logits[0, -1].float()
+    got = prefill_logits(LLMEngine(out, EngineConfig(dtype="fp32", kernel="reference")), prompt)
+    packed = prefill_logits(LLMEngine(out, EngineConfig(dtype="fp32")), prompt)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 1e-4 * scale
+    assert (packed - want).abs().max().item() < 2e-2 * scale and packed.argmax() == want.argmax()
+
+
+def _tiny_qwen2_mha(path):
+    """Qwen2 without grouped-query attention: AWQ's v -> o mapping applies, and v_proj has a bias."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.bias.normal_(0, 1.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2-mha"])
+def test_awq_folds_its_scales_without_changing_the_float_layer(family, tiny_gemma_dir, tmp_path):
+    """AWQ divides the producer of a Linear's input by s and multiplies that Linear's columns by s: before any
+    rounding the layer computes what it did. Gemma's norms scale by (1 + w), so the fold is (1 + w) / s - 1, not
+    w / s; a producing Linear's bias is divided too (Qwen's v_proj, folded into o_proj without grouped-query heads)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.arch import GEMMA3, LLAMA
+    from quantkit.calib.sequential import first_layer_inputs, quantize_awq
+    from quantkit.config import Scheme
+
+    path, arch, norm = ((tiny_gemma_dir, GEMMA3, "pre_feedforward_layernorm") if family == "gemma3"
+                        else (_tiny_qwen2_mha(tmp_path / "qwen2"), LLAMA, "self_attn.v_proj"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    layers = model.model.layers
+    ids = torch.randint(4, 250, (4, 24), generator=torch.Generator().manual_seed(0))
+    batches = first_layer_inputs(model, layers, ids, 2, "cpu")
+    for i in (0, 2) if family == "gemma3" else (0,):  # a sliding and a full-attention layer
+        layer = layers[i]
+        for b in batches:
+            b.to_layer(layer)
+        with torch.no_grad():
+            before = [layer(b.hidden, **b.kwargs) for b in batches]
+            local = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+            folded = layer.get_submodule(norm).weight.clone()
+            quantize_awq(layer, local, batches, Scheme(bits=4, group_size=32), torch.float32, arch)
+            after = [layer(b.hidden, **b.kwargs) for b in batches]
+        assert not torch.equal(folded, layer.get_submodule(norm).weight)  # a scale was folded there
+        for x, y in zip(before, after):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.integration
+def test_gemma_3_270m_greedy_matches_hf_under_continuous_batching(gemma270_dir):
+    """The real weights: 20 prompts x 64 tokens, requests arriving every 2 steps, float32, token for token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.calib.data import builtin_texts
+
+    tok = AutoTokenizer.from_pretrained(gemma270_dir)
+    words = " ".join(builtin_texts("eval")).split()
+    prompts = [tok(" ".join(words[i * 40 : i * 40 + 60]))["input_ids"][:32] for i in range(20)]  # <bos> first
+    assert all(p[0] == tok.bos_token_id and len(p) == 32 for p in prompts)
+    engine = LLMEngine(gemma270_dir, EngineConfig(dtype="fp32", kv_cache_memory=512 << 20))
+    got = run_staggered(engine, prompts, SamplingParams(max_tokens=64, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(gemma270_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    want = model.generate(torch.tensor(prompts), max_new_tokens=64, do_sample=False, pad_token_id=0)[:, 32:].tolist()
+    same = sum(g == w for g, w in zip(got, want))
+    assert same == 20, f"{same}/20 prompts identical"
