@@ -34,17 +34,26 @@ class Arch:
     mlp_out_norm: str | None = None  # and on the MLP's
     activation: str = "silu"  # the gate's: "silu" or "gelu_tanh" (GeGLU)
     embed_scale: bool = False  # embeddings times sqrt(hidden), rounded to the compute dtype as HF does
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # as the checkpoint names
+    # them; the runtime fuses them into one Linear (Phi-3's checkpoint holds them fused already, v last)
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")  # likewise (Phi-3: gate_up_proj, the gate first)
+
+    @property
+    def llama_layer(self) -> bool:
+        """The layer computes exactly Llama's (the runtime's C++ decode loop runs it)."""
+        return not self.norm_offset and not self.attn_out_norm and not self.mlp_out_norm and self.activation == "silu"
 
     @property
     def awq(self) -> tuple[Mapping, ...]:
-        """prev -> balance pairs, in layer order. v->o applies only when v's width equals o's input (no
+        """prev -> balance pairs, in layer order. A producing Linear wider than its consumer's input (a fused qkv or
+        gate_up) scales its last rows: v, and up. v->o applies only when v's width equals o's input (no
         grouped-query attention), as in other AWQ implementations; a norm on a branch's output (Gemma's
         post-attention norm) has no Linear after it to fold into."""
         return (
-            Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
-            Mapping(self.mlp_norm, ("mlp.gate_proj", "mlp.up_proj")),
-            Mapping("mlp.up_proj", ("mlp.down_proj",)),
+            Mapping("input_layernorm", self.qkv),
+            Mapping(self.qkv[-1], ("self_attn.o_proj",)),
+            Mapping(self.mlp_norm, self.gate_up),
+            Mapping(self.gate_up[-1], ("mlp.down_proj",)),
         )
 
 
@@ -53,7 +62,8 @@ LLAMA = Arch("llama", ("llama", "mistral", "qwen2", "qwen3"),
 GEMMA3 = Arch("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), ("gemma3",), norm_offset=1.0,
               mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
               mlp_out_norm="post_feedforward_layernorm", activation="gelu_tanh", embed_scale=True)
-ARCHS = (LLAMA, GEMMA3)
+PHI3 = Arch("phi3", ("phi3",), ("Phi3ForCausalLM",), (), qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",))
+ARCHS = (LLAMA, GEMMA3, PHI3)
 
 
 def arch_of(config: dict, where: Path | str = "") -> Arch:

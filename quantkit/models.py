@@ -207,7 +207,11 @@ def load_layer(layer: torch.nn.Module, prefix: str, source, device: str) -> torc
     layer.to_empty(device=device)
     with torch.no_grad():
         for key, tensor in layer.state_dict().items():  # one tensor at a time: no second copy of the layer
-            tensor.copy_(source.get(f"{prefix}.{key}"))
+            value = source.get(f"{prefix}.{key}")
+            if value.shape != tensor.shape:
+                raise QuantkitError(f"tensor {prefix}.{key} in {source.path} has shape {list(value.shape)}; "
+                                    f"its config.json makes it {list(tensor.shape)}")
+            tensor.copy_(value)
     return layer
 
 

@@ -128,6 +128,27 @@ def tiny_gemma_dir(tmp_path_factory) -> Path:
     return make_tiny_gemma3(tmp_path_factory.mktemp("gemma") / "model")
 
 
+def make_tiny_phi3(path: Path, window: int = 8, seed: int = 0) -> Path:
+    """A random 2-layer Phi-3 (bf16): q/k/v and gate/up fused in the checkpoint, no grouped-query heads (so AWQ's
+    v -> o applies to the fused qkv), half of each head rotated (as Phi-4-mini's partial rotary), every layer
+    sliding-window (as Phi-3-mini-4k's config)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Phi3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, max_position_embeddings=256, sliding_window=window, pad_token_id=3,
+                        bos_token_id=1, eos_token_id=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    Phi3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    return make_tiny_phi3(tmp_path_factory.mktemp("phi3") / "model")
+
+
 @pytest.fixture(scope="session")
 def qwen05_w4(qwen05_dir, tmp_path_factory) -> Path:
     """`quantkit quantize qwen2.5-coder-0.5b --bits 4` (RTN, group 128), as a user runs it."""

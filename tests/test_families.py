@@ -1,4 +1,5 @@
-"""Model families beyond Llama, each from its entry in quantkit/arch.py: Gemma 3 (tiny random and real weights)."""
+"""Model families beyond Llama, each from its entry in quantkit/arch.py: Gemma 3 (tiny random and real weights) and
+Phi-3 (tiny random)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,33 @@ from quantkit.runtime.sampler import SamplingParams
 GEMMA_PROMPTS = [[1] + [(5 * i + j) % 250 + 4 for j in range(n)] for i, n in enumerate([3, 12, 20, 7, 30, 16])]
 
 
-def test_tiny_gemma3_greedy_matches_hf_under_continuous_batching(tiny_gemma_dir):
-    want = hf_greedy(tiny_gemma_dir, GEMMA_PROMPTS, 24)
-    engine = LLMEngine(tiny_gemma_dir, EngineConfig(dtype="fp32", block_size=4))
+FAMILIES = ["gemma3", "phi3"]
+WINDOWS = {"gemma3": [8, 8, 0, 8], "phi3": [8, 8]}
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    """(name, tiny checkpoint directory) of each family beyond Llama."""
+    return request.param, request.getfixturevalue({"gemma3": "tiny_gemma_dir", "phi3": "tiny_phi3_dir"}[request.param])
+
+
+def test_greedy_matches_hf_under_continuous_batching(family):
+    name, path = family
+    want = hf_greedy(path, GEMMA_PROMPTS, 24)
+    engine = LLMEngine(path, EngineConfig(dtype="fp32", block_size=4))
     assert run_staggered(engine, GEMMA_PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True)) == want
-    assert [layer.window for layer in engine.model.layers] == [8, 8, 0, 8]
+    assert [layer.window for layer in engine.model.layers] == WINDOWS[name]
 
 
 @pytest.mark.parametrize("args", [["--bits", "4", "-g", "32"], ["--bits", "8"], ["--bits", "4", "-g", "32", "--method", "gptq"],
                                   ["--bits", "4", "-g", "32", "--method", "awq"]], ids=["w4", "w8", "gptq", "awq"])
-def test_gemma3_checkpoints_load_in_hf_and_match_the_runtime(tiny_gemma_dir, tmp_path, capsys, args):
+def test_checkpoints_load_in_hf_and_match_the_runtime(family, tmp_path, capsys, args):
     from transformers import AutoModelForCausalLM
 
     from quantkit.formats.load import load_dequantized_model
 
     out = tmp_path / "q"
-    code, _, err = run_cli(capsys, "quantize", str(tiny_gemma_dir), "-o", str(out), "-q", "--calib-samples", "8",
+    code, _, err = run_cli(capsys, "quantize", str(family[1]), "-o", str(out), "-q", "--calib-samples", "8",
                            "--calib-seqlen", "64", *args)
     assert code == 0, err
     if "awq" in args:  # asymmetric: HF + compressed-tensors re-initialise packed zero points (see test_runtime)
@@ -61,36 +73,66 @@ def _tiny_qwen2_mha(path):
     return path
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2-mha"])
-def test_awq_folds_its_scales_without_changing_the_float_layer(family, tiny_gemma_dir, tmp_path):
+@pytest.mark.parametrize("which", ["gemma3", "qwen2-mha", "phi3"])
+def test_awq_folds_its_scales_without_changing_the_float_layer(which, tiny_gemma_dir, tiny_phi3_dir, tmp_path):
     """AWQ divides the producer of a Linear's input by s and multiplies that Linear's columns by s: before any
     rounding the layer computes what it did. Gemma's norms scale by (1 + w), so the fold is (1 + w) / s - 1, not
     w / s; a producing Linear's bias is divided too (Qwen's v_proj, folded into o_proj without grouped-query heads)."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.arch import GEMMA3, LLAMA
+    from quantkit.arch import GEMMA3, LLAMA, PHI3
     from quantkit.calib.sequential import first_layer_inputs, quantize_awq
     from quantkit.config import Scheme
 
-    path, arch, norm = ((tiny_gemma_dir, GEMMA3, "pre_feedforward_layernorm") if family == "gemma3"
-                        else (_tiny_qwen2_mha(tmp_path / "qwen2"), LLAMA, "self_attn.v_proj"))
+    path, arch, folded_into = {
+        "gemma3": (tiny_gemma_dir, GEMMA3, ["pre_feedforward_layernorm"]),
+        "qwen2-mha": (_tiny_qwen2_mha(tmp_path / "qwen2"), LLAMA, ["self_attn.v_proj"]),
+        "phi3": (tiny_phi3_dir, PHI3, ["self_attn.qkv_proj", "mlp.gate_up_proj"]),  # v rows, up rows
+    }[which]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     layers = model.model.layers
     ids = torch.randint(4, 250, (4, 24), generator=torch.Generator().manual_seed(0))
     batches = first_layer_inputs(model, layers, ids, 2, "cpu")
-    for i in (0, 2) if family == "gemma3" else (0,):  # a sliding and a full-attention layer
+    for i in (0, 2) if which == "gemma3" else (0,):  # a sliding and a full-attention layer
         layer = layers[i]
         for b in batches:
             b.to_layer(layer)
         with torch.no_grad():
             before = [layer(b.hidden, **b.kwargs) for b in batches]
             local = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-            folded = layer.get_submodule(norm).weight.clone()
+            weights = [layer.get_submodule(n).weight.clone() for n in folded_into]
             quantize_awq(layer, local, batches, Scheme(bits=4, group_size=32), torch.float32, arch)
             after = [layer(b.hidden, **b.kwargs) for b in batches]
-        assert not torch.equal(folded, layer.get_submodule(norm).weight)  # a scale was folded there
+        for n, w in zip(folded_into, weights):
+            assert not torch.equal(w, layer.get_submodule(n).weight), n  # a scale was folded there
         for x, y in zip(before, after):
             assert torch.allclose(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_a_checkpoint_at_odds_with_its_config_is_one_line_naming_the_tensor(tiny_gemma_dir, tiny_phi3_dir, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_cli import assert_one_line_error
+
+    def damaged(src, name, change):
+        out = tmp_path / f"{src.parent.name}-{name}"
+        shutil.copytree(src, out)
+        tensors = load_file(out / "model.safetensors")
+        change(tensors)
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return out
+
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    norm = "model.layers.2.post_feedforward_layernorm.weight"
+    cases = [(damaged(tiny_phi3_dir, "narrow", lambda t: t.update({qkv: t[qkv][:256].contiguous()})), qkv.removesuffix(".weight")),
+             (damaged(tiny_gemma_dir, "missing", lambda t: t.pop(norm)), norm)]
+    for path, name in cases:
+        for args in (["quantize", str(path), "--bits", "4", "-g", "32", "-q", "-o", str(tmp_path / "out")],
+                     ["bench", "--offline", str(path), "--input-len", "8", "--output-len", "2"]):
+            code, _, err = run_cli(capsys, *args)
+            assert_one_line_error(code, err, name)
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.integration

@@ -199,15 +199,18 @@ def quantize_awq(layer, local: dict[str, nn.Module], batches, scheme: Scheme, dt
     for m in arch.awq:
         prev = layer.get_submodule(m.prev)
         balance = [local.get(b) for b in m.balance]
-        if any(b is None for b in balance) or (isinstance(prev, nn.Linear) and prev.out_features != balance[0].in_features):
-            continue  # ignored modules, or v->o under grouped-query attention
+        if any(b is None for b in balance):
+            continue  # ignored modules
+        rows = _feeding_rows(prev, m.prev, balance[0].in_features) if isinstance(prev, nn.Linear) else None
+        if isinstance(prev, nn.Linear) and rows is None:
+            continue  # v->o under grouped-query attention: v is narrower than o's input
         s, _ = awq.search_scale(x_of[m.balance[0]], [b.weight for b in balance], scheme, dtype)
         for b in balance:
             b.weight.mul_(s.to(b.weight.dtype))
-        if isinstance(prev, nn.Linear):  # its output rows, bias included (Qwen's v_proj has one)
-            prev.weight.div_(s.to(prev.weight.dtype).unsqueeze(1))
+        if isinstance(prev, nn.Linear):  # the output rows that feed the balance Linears, bias included (Qwen's v_proj)
+            prev.weight[rows].div_(s.to(prev.weight.dtype).unsqueeze(1))
             if prev.bias is not None:
-                prev.bias.div_(s.to(prev.bias.dtype))
+                prev.bias[rows].div_(s.to(prev.bias.dtype))
         else:  # a norm scaling by (offset + w): the folded scale is (offset + w) / s
             w = prev.weight.float()
             prev.weight.copy_((arch.norm_offset + w) / s.float() - arch.norm_offset)
@@ -221,6 +224,17 @@ def quantize_awq(layer, local: dict[str, nn.Module], batches, scheme: Scheme, dt
             ratio = awq.search_clip(module.weight, x, scheme, dtype)
         out[name] = awq.rtn_clipped(module.weight, ratio.to(module.weight.device), scheme, dtype)
     return out
+
+
+def _feeding_rows(prev: nn.Linear, name: str, width: int) -> slice | None:
+    """The rows of a producing Linear that are its consumer's `width` inputs: all of them, the up half of a fused
+    gate_up (gate first), or v of a fused qkv without grouped-query heads (v last); None when none are."""
+    out = prev.out_features
+    if out == width:
+        return slice(None)
+    if (name.endswith("gate_up_proj") and out == 2 * width) or (name.endswith("qkv_proj") and out == 3 * width):
+        return slice(out - width, None)
+    return None
 
 
 def _rotary(layer: nn.Module):
@@ -242,8 +256,18 @@ class KVObserver:
     def __enter__(self) -> KVObserver:
         if self.strategy:
             attn = self.layer.self_attn
-            self.handles = [attn.k_proj.register_forward_hook(lambda m, a, o: self.observe("k", o)),
-                            attn.v_proj.register_forward_hook(lambda m, a, o: self.observe("v", o))]
+            if hasattr(attn, "qkv_proj"):  # Phi-3: one Linear, q then k then v
+                kv = attn.config.num_key_value_heads * attn.head_dim
+                q = attn.qkv_proj.out_features - 2 * kv
+
+                def split(m, a, o):
+                    self.observe("k", o[..., q : q + kv])
+                    self.observe("v", o[..., q + kv :])
+
+                self.handles = [attn.qkv_proj.register_forward_hook(split)]
+            else:
+                self.handles = [attn.k_proj.register_forward_hook(lambda m, a, o: self.observe("k", o)),
+                                attn.v_proj.register_forward_hook(lambda m, a, o: self.observe("v", o))]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -294,8 +318,7 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
     attn_out, mlp_out = (layer.get_submodule(n) if n else nn.Identity() for n in (arch.attn_out_norm, arch.mlp_out_norm))
     cfg = GPTQConfig(block_size=recipe.block_size, damp=recipe.damp, actorder=recipe.actorder == "static")
     qweights: dict[str, QuantizedWeight] = {}
-    qkv, o, gate_up, down = (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-                             ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"])
+    qkv, o, gate_up, down = list(arch.qkv), ["self_attn.o_proj"], list(arch.gate_up), ["mlp.down_proj"]
 
     def hessian(xs: Iterable[Tensor], h: Tensor | None = None) -> Tensor:
         for x in xs:
@@ -314,24 +337,10 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
 
     def mid(x: Tensor) -> Iterator[Tensor]:  # the down projection's input, a few calibration rows at a time
         for piece in x.split(MID_ROWS):
-            y = mlp_norm(piece)
-            yield mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y)
+            yield _input_of(mlp.down_proj, lambda: mlp(mlp_norm(piece)))
 
     def o_input(b: Batch) -> Tensor:  # o_proj's input for one batch, from the current q/k/v
-        got: list[Tensor] = []
-
-        def grab(module, args):
-            got.append(args[0])
-            raise _Stop  # o_proj itself runs in the caller
-
-        handle = attn.o_proj.register_forward_pre_hook(grab)
-        try:
-            attn(hidden_states=layer.input_layernorm(b.hidden), **b.kwargs)
-        except _Stop:
-            pass
-        finally:
-            handle.remove()
-        return got[0]
+        return _input_of(attn.o_proj, lambda: attn(hidden_states=layer.input_layernorm(b.hidden), **b.kwargs))
 
     if not recipe.true_sequential:  # every Hessian from the dense layer, one batch at a time
         hs: dict[str, Tensor | None] = dict.fromkeys(("qkv", "o", "gate_up", "down"))
@@ -361,6 +370,24 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
     for b in batches:  # h -> the layer's output
         b.hidden = b.hidden + mlp_out(torch.cat([mlp.down_proj(m) for m in mid(b.hidden)]))
     return qweights, batches, kv.amax
+
+
+def _input_of(module: nn.Module, run: Callable[[], object]) -> Tensor:
+    """What `module` receives when `run()` reaches it; the run stops there (the caller applies `module` itself)."""
+    got: list[Tensor] = []
+
+    def grab(mod, args):
+        got.append(args[0])
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(grab)
+    try:
+        run()
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return got[0]
 
 
 @torch.no_grad()

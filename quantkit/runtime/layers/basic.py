@@ -44,8 +44,9 @@ class Rotary:
     def __init__(self, path: Path, hf: dict, dtype: torch.dtype, device: str, kind: str = "full_attention"):
         self.dtype, self.scaling, self.rope = dtype, 1.0, None
         params = rope_parameters(hf, kind)
+        factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))  # rotate the first part of a head
+        self.dim = dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * factor)
         if params.get("rope_type", "default") in ("default", "linear"):
-            dim = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * hf.get("partial_rotary_factor", 1.0))
             self.inv_freq = 1.0 / (params.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             if params.get("rope_type") == "linear":  # positions divided by the factor, as HF's linear scaling
                 self.inv_freq = self.inv_freq / params["factor"]
@@ -91,7 +92,12 @@ def rope_parameters_by_kind(hf: dict) -> dict[str, dict]:
 
 
 def rotate_heads(x: Tensor, heads: int, cos: Tensor, sin: Tensor, fused: bool) -> Tensor:
-    """The first `heads` heads of x [T, H, d] rotated (queries and keys in one pass) -> [T, heads, d]; in place when fused."""
+    """The first `heads` heads of x [T, H, d] rotated (queries and keys in one pass) -> [T, heads, d]; in place when fused.
+    With partial rotary (cos/sin narrower than d: Phi-4-mini) only each head's first part turns."""
+    rot = cos.shape[-1]
+    if rot < x.shape[2]:
+        y = x[:, :heads]
+        return torch.cat([apply_rotary(y[..., :rot], cos, sin), y[..., rot:]], dim=-1)
     if fused and x.stride(1) == x.shape[2] and x.stride(2) == 1:
         fused_kernels.ops().rope_(x, cos, sin, heads)
         return x[:, :heads]

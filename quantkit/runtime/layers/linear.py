@@ -70,6 +70,8 @@ class QuantWeight:
 
 def fuse(weights: list[Tensor | QuantWeight]) -> Tensor | QuantWeight:
     """Concatenate along the output dimension (q/k/v, gate/up) so one matmul serves them all."""
+    if len(weights) == 1:  # (already fused in the checkpoint: Phi-3)
+        return weights[0]
     if all(isinstance(w, Tensor) for w in weights):
         return torch.cat(weights, dim=0)
     if not all(isinstance(w, QuantWeight) for w in weights) or len({(w.bits, w.group_size) for w in weights}) != 1:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from quantkit import QuantkitError
-from quantkit.arch import ARCHS, LLAMA, Arch, arch_of
+from quantkit.arch import ARCHS, Arch, arch_of
 from quantkit.formats.load import (
     PACKED,
     packed_module,
@@ -42,6 +42,7 @@ class ModelConfig:
     rms_norm_eps: float
     max_position: int
     tie_word_embeddings: bool
+    intermediate_size: int
     kinds: list[str]  # per layer: "full_attention" or "sliding_attention" (its own rope and a window)
     windows: list[int]  # per layer: keys a query sees (0: all)
     query_scale: float  # queries times this before attention's 1 / sqrt(head_dim) (Gemma's query_pre_attn_scalar)
@@ -62,7 +63,7 @@ class ModelConfig:
         scalar = c.get("query_pre_attn_scalar") or head_dim
         return cls(c["vocab_size"], c["hidden_size"], n, heads, c.get("num_key_value_heads") or heads, head_dim,
                    c.get("rms_norm_eps", 1e-6), c.get("max_position_embeddings", 2048), bool(c.get("tie_word_embeddings", False)),
-                   kinds, windows, (head_dim / scalar) ** 0.5, float(c.get("final_logit_softcapping") or 0.0))
+                   c["intermediate_size"], kinds, windows, (head_dim / scalar) ** 0.5, float(c.get("final_logit_softcapping") or 0.0))
 
 
 class Weights:
@@ -95,15 +96,22 @@ class DecoderLayer(nn.Module):
         p = f"model.layers.{i}"
         self.index, self.cfg, self.kernel, self.fused = i, cfg, kernel, fused
         self.kind, self.window, self.activation = cfg.kinds[i], cfg.windows[i], arch.activation
-        attn = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
-        biases = [w.get(f"{m}.bias") for m in attn]
-        self.qkv = Linear(fuse([w.linear(m) for m in attn]), torch.cat(biases) if all(b is not None for b in biases) else None,
-                          dtype, kernel, fused, cache=cache, name=f"{p}.qkv")
-        self.o = Linear(w.linear(f"{p}.self_attn.o_proj"), w.get(f"{p}.self_attn.o_proj.bias"), dtype, kernel, fused,
-                        cache=cache, name=f"{p}.o")
-        self.gate_up = Linear(fuse([w.linear(f"{p}.mlp.gate_proj"), w.linear(f"{p}.mlp.up_proj")]), None, dtype, kernel, fused,
-                              cache=cache, name=f"{p}.gate_up")
-        self.down = Linear(w.linear(f"{p}.mlp.down_proj"), None, dtype, kernel, fused, cache=cache, name=f"{p}.down")
+        names = {"qkv": [f"{p}.{n}" for n in arch.qkv], "o": [f"{p}.self_attn.o_proj"],
+                 "gate_up": [f"{p}.{n}" for n in arch.gate_up], "down": [f"{p}.mlp.down_proj"]}
+        h, d, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        shapes = {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * cfg.intermediate_size, h),
+                  "down": (h, cfg.intermediate_size)}
+        weights = {k: fuse([w.linear(m) for m in ms]) for k, ms in names.items()}
+        for k, weight in weights.items():  # a checkpoint at odds with its config: one line naming the tensors
+            if tuple(weight.shape) != shapes[k]:
+                raise QuantkitError(f"{' + '.join(names[k])}: shape {list(weight.shape)} in the checkpoint; its config.json "
+                                    f"makes it {list(shapes[k])}")
+        biases = [w.get(f"{m}.bias") for m in names["qkv"]]
+        self.qkv = Linear(weights["qkv"], torch.cat(biases) if all(b is not None for b in biases) else None, dtype, kernel,
+                          fused, cache=cache, name=f"{p}.qkv")
+        self.o = Linear(weights["o"], w.get(f"{p}.self_attn.o_proj.bias"), dtype, kernel, fused, cache=cache, name=f"{p}.o")
+        self.gate_up = Linear(weights["gate_up"], None, dtype, kernel, fused, cache=cache, name=f"{p}.gate_up")
+        self.down = Linear(weights["down"], None, dtype, kernel, fused, cache=cache, name=f"{p}.down")
         norm = lambda name: RMSNorm(w.tensor(f"{p}.{name}.weight"), cfg.rms_norm_eps, dtype, fused, arch.norm_offset)
         self.input_norm, self.post_norm = norm("input_layernorm"), norm(arch.mlp_norm)  # post_norm: the MLP's input norm
         self.attn_out_norm = norm(arch.attn_out_norm) if arch.attn_out_norm else None
@@ -182,7 +190,8 @@ class LlamaModel(nn.Module):
         if self.built:
             cache.save()
         self.panels_cached = cache.hit
-        plain = arch == LLAMA and not any(cfg.windows)  # the C++ layer loop runs the Llama layer as it is
+        # the C++ layer loop runs the Llama layer as it is: full rotary, no windows
+        plain = arch.llama_layer and not any(cfg.windows) and all(r.dim == cfg.head_dim for r in self.rotary.values())
         self.decoder = (FusedDecoder.build(self.layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
                         if self.fused and self.built and plain else None)
         if device != "cpu":
