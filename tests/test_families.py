@@ -153,3 +153,25 @@ def test_gemma_3_270m_greedy_matches_hf_under_continuous_batching(gemma270_dir):
     want = model.generate(torch.tensor(prompts), max_new_tokens=64, do_sample=False, pad_token_id=0)[:, 32:].tolist()
     same = sum(g == w for g, w in zip(got, want))
     assert same == 20, f"{same}/20 prompts identical"
+
+
+@pytest.mark.integration
+def test_gemma_3_270m_serves_completions_with_its_bos_and_refuses_chat_without_a_template(gemma270_dir):
+    """A base model: /v1/completions tokenizes a text prompt with the tokenizer's BOS (as vLLM does: Gemma without
+    <bos> degenerates), `add_special_tokens: false` leaves it out; chat is a 400, since it has no template."""
+    import httpx
+    from conftest import Server
+
+    server = Server(gemma270_dir, "--kv-cache-memory", "0.25")
+    try:
+        client = server.client()
+        body = {"model": server.client().models.list().data[0].id, "prompt": "The capital of France is", "max_tokens": 4,
+                "temperature": 0}
+        assert client.completions.create(**body).usage.prompt_tokens == 6  # <bos> + 5
+        bare = httpx.post(server.base + "/v1/completions", json={**body, "add_special_tokens": False}).json()
+        assert bare["usage"]["prompt_tokens"] == 5
+        chat = httpx.post(server.base + "/v1/chat/completions", json={"model": body["model"], "max_tokens": 4,
+                                                                       "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and "chat_template" in chat.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0

@@ -234,7 +234,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         if "messages" in body:
             ids = _render_chat(api, body["messages"], None, body.get("add_generation_prompt", True))
         elif isinstance(body.get("prompt"), str):
-            ids = api.tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", False)))["input_ids"]
+            ids = api.tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))["input_ids"]
         else:
             raise ApiError(400, "give `prompt` (a string) or `messages`", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": api.limit}
@@ -278,7 +278,7 @@ class ApiKey:
 # --- /v1/completions ----------------------------------------------------------------------------
 async def _completions(api: Api, req: CompletionRequest, raw: Request):
     api.check(req)
-    prompts = _prompt_ids(api, req.prompt)
+    prompts = _prompt_ids(api, req.prompt, req.add_special_tokens)
     top = req.logprobs
     budgets = [api.budget(p, req.max_tokens) for p in prompts]
     score = top if req.echo and top is not None else None
@@ -322,7 +322,7 @@ async def _completion_chunks(api: Api, req: CompletionRequest, rid: str, choices
         yield {**head, "choices": [], "usage": _usage(usage_prompt, completion)}
 
 
-def _prompt_ids(api: Api, prompt) -> list[list[int]]:
+def _prompt_ids(api: Api, prompt, special: bool = True) -> list[list[int]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
@@ -333,7 +333,7 @@ def _prompt_ids(api: Api, prompt) -> list[list[int]]:
     vocab = len(api.tokenizer)
     for p in prompt:
         if isinstance(p, str):
-            out.append(api.tokenizer(p, add_special_tokens=False)["input_ids"])
+            out.append(api.tokenizer(p, add_special_tokens=special)["input_ids"])
         else:
             if any(t < 0 or t >= vocab for t in p):
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")

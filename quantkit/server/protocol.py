@@ -48,6 +48,7 @@ class CompletionRequest(Request):
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # as vLLM: the tokenizer's BOS before a text prompt (Gemma's, Llama 3's)
 
 
 class Function(BaseModel):
