@@ -21,9 +21,7 @@ import torch
 
 
 def logits_per_row(engine, rows: torch.Tensor) -> list[torch.Tensor]:
-    from quantkit.runtime.layers.attention import Batch
-
-    return [engine.model(Batch.single(row, engine.cfg.block_size, all_logits=True), engine.cache).log_softmax(-1) for row in rows]
+    return [engine.model(engine.single(row, all_logits=True), engine.cache).log_softmax(-1) for row in rows]
 
 
 def main() -> None:

@@ -21,11 +21,10 @@ def main() -> None:
 
     from quantkit.calib.data import eval_rows
     from quantkit.runtime import EngineConfig, LLMEngine
-    from quantkit.runtime.layers.attention import Batch
 
     engines = {h: LLMEngine(args.ckpt, EngineConfig(dtype="bf16", kv_cache_memory=64 << 20, lm_head=h)) for h in ("auto", "int8")}
     rows = eval_rows(engines["auto"].tokenizer, args.seqlen, args.rows)
-    lp = {h: torch.cat([e.model(Batch.single(r, e.cfg.block_size, all_logits=True), e.cache).log_softmax(-1) for r in rows])
+    lp = {h: torch.cat([e.model(e.single(r, all_logits=True), e.cache).log_softmax(-1) for r in rows])
           for h, e in engines.items()}
     kl = (lp["auto"].exp() * (lp["auto"] - lp["int8"])).sum(-1)
     agree = (lp["auto"].argmax(-1) == lp["int8"].argmax(-1)).float().mean().item()

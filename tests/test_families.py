@@ -26,11 +26,23 @@ def family(request):
 
 
 def test_greedy_matches_hf_under_continuous_batching(family):
+    """Sliding-window layers keep each sequence's last tokens in a ring that the sequences outgrow here (prompts
+    chunked to the window, the ring overwritten as they decode); under a small budget, sequences wait for a ring."""
     name, path = family
     want = hf_greedy(path, GEMMA_PROMPTS, 24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = LLMEngine(path, EngineConfig(dtype="fp32", block_size=4))
-    assert run_staggered(engine, GEMMA_PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True)) == want
+    assert run_staggered(engine, GEMMA_PROMPTS, params) == want
     assert [layer.window for layer in engine.model.layers] == WINDOWS[name]
+    assert engine.ring.size * 4 < max(map(len, GEMMA_PROMPTS)) + 24  # outgrown
+    windowed = [i for i, w in enumerate(WINDOWS[name]) if w]
+    assert all(engine.cache.k[i].shape[0] == engine.rings * engine.ring.size for i in windowed)
+    assert engine.blocks.num_used == 0 and len(engine.blocks.free_rings) == engine.rings
+
+    ring_seq = engine.ring.size * len(windowed) * engine.cache.spec.layer_block_bytes
+    small = LLMEngine(path, EngineConfig(dtype="fp32", block_size=4, kv_cache_memory=4 * ring_seq))
+    assert small.rings < len(GEMMA_PROMPTS)  # rings for fewer sequences than arrive: the others wait for one
+    assert run_staggered(small, GEMMA_PROMPTS, params) == want
 
 
 @pytest.mark.parametrize("args", [["--bits", "4", "-g", "32"], ["--bits", "8"], ["--bits", "4", "-g", "32", "--method", "gptq"],

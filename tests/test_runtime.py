@@ -97,9 +97,7 @@ def test_abort_frees_blocks(tiny_dir):
 
 def prefill_logits(engine: LLMEngine, prompt: torch.Tensor) -> torch.Tensor:
     """The engine's next-token logits [vocab] after prefilling `prompt` [n] into blocks 0, 1, ..."""
-    from quantkit.runtime.layers.attention import Batch
-
-    return engine.model(Batch.single(prompt, engine.cfg.block_size), engine.cache)[0]
+    return engine.model(engine.single(prompt), engine.cache)[0]
 
 
 def test_quantized_logits_match_hf_loading_the_same_checkpoint(tiny_dir, tmp_path, capsys):
@@ -231,7 +229,6 @@ def test_json_prefix_automaton():
 @pytest.mark.integration
 def test_int8_lm_head_is_opt_in_and_close(smollm2_dir):
     from quantkit.calib.data import eval_rows
-    from quantkit.runtime.layers.attention import Batch
 
     engines = {h: LLMEngine(smollm2_dir, EngineConfig(dtype="bf16", kv_cache_memory=64 << 20, lm_head=h)) for h in ("auto", "int8")}
     auto = engines["auto"].model
@@ -241,7 +238,7 @@ def test_int8_lm_head_is_opt_in_and_close(smollm2_dir):
     else:  # tied: the embedding reads its rows from the head's panels
         assert auto.embed is None
     rows = eval_rows(engines["auto"].tokenizer, 256, 4)
-    lp = {h: torch.cat([e.model(Batch.single(r, 16, all_logits=True), e.cache).log_softmax(-1) for r in rows]) for h, e in engines.items()}
+    lp = {h: torch.cat([e.model(e.single(r, all_logits=True), e.cache).log_softmax(-1) for r in rows]) for h, e in engines.items()}
     kl = (lp["auto"].exp() * (lp["auto"] - lp["int8"])).sum(-1)
     assert 0 < kl.mean().item() < 0.02 and (lp["auto"].argmax(-1) == lp["int8"].argmax(-1)).float().mean() > 0.9
     with pytest.raises(QuantkitError, match="lm_head"):

@@ -72,8 +72,11 @@ def decode_seconds(engine, rows: int, context: int = 256, repeats: int = 7) -> f
     blocks = list(range(-(-(context + rows) // bs)))
     t = lambda x: torch.tensor(x, dtype=torch.long, device=engine.cfg.device)
     pos = list(range(context, context + rows))
-    batch = Batch(t([5] * rows), t(pos), t([blocks[p // bs] * bs + p % bs for p in pos]), [], t(list(range(rows))),
-                  Decodes.of(list(range(rows)), [blocks] * rows, [p + 1 for p in pos], engine.cfg.device))
+    placed = lambda table: Batch(t([5] * rows), t(pos), t([table[p // bs] * bs + p % bs for p in pos]), [], t(list(range(rows))),
+                                 Decodes.of(list(range(rows)), [table] * rows, [p + 1 for p in pos], engine.cfg.device))
+    batch = placed(blocks)
+    if engine.ring:  # sliding-window layers: the same rows in ring 0
+        batch.windowed = placed([engine.ring.block(0, b) for b in blocks])
     times = []
     for _ in range(repeats + 2):  # (the first two warm the kernels' thread pools and caches up)
         start = time.perf_counter()

@@ -23,7 +23,6 @@ from quantkit import QuantkitError
 
 class TokenizerMixin:
     """Prompt formatting and token counting from the model's own tokenizer."""
-
     tokenizer = None
 
     def _load_tokenizer(self, path: Path) -> None:
@@ -44,7 +43,10 @@ class TokenizerMixin:
         kwargs = {"tools": tools} if tools and self.supports_tools else {}
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        return "\n".join(m["content"] for m in messages) + "\n"
+        # a base model (no template): the messages as plain text, after the BOS its tokenizer puts before any text
+        # (Gemma's <bos>; prompts are encoded without special tokens, so it is written here as a template would)
+        bos = self.tokenizer.bos_token if self.tokenizer("x")["input_ids"][:1] == [self.tokenizer.bos_token_id] else None
+        return (bos or "") + "\n".join(m["content"] for m in messages) + "\n"
 
     @property
     def supports_tools(self) -> bool:
@@ -147,14 +149,12 @@ class RuntimeBackend(TokenizerMixin):
 
     def logits(self, ids: Tensor) -> Tensor:
         """ids [b, seq] -> [b, seq, vocab] float32, one sequence at a time through the engine's prefill."""
-        from quantkit.runtime.layers.attention import Batch
-
         engine = self.engine
         bs, out = engine.cfg.block_size, []
         for row in ids:
             if -(-len(row) // bs) > engine.cache.num_blocks:
                 raise QuantkitError(f"a row of {len(row)} tokens does not fit the runtime's KV cache")
-            out.append(engine.model(Batch.single(row, bs, all_logits=True), engine.cache))
+            out.append(engine.model(engine.single(row, all_logits=True), engine.cache))
         return torch.stack(out)
 
     def generate(self, prompts: list[str], max_new_tokens: int, on_item=None) -> list[str]:
@@ -222,7 +222,10 @@ class EndpointBackend(TokenizerMixin):
 
     def generate(self, prompts: list[str], max_new_tokens: int, on_item=None) -> list[str]:
         def one(prompt: str) -> str:
-            body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0}
+            # the prompt is text as the chat template rendered it (its BOS included where the template writes one):
+            # the server adds no other special token (vLLM's and quantkit's /completions would add a BOS by default)
+            body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0,
+                    "add_special_tokens": False}
             reply = self._request("POST", "/completions", body)
             text = reply["choices"][0]["text"]
             if on_item:

@@ -14,7 +14,12 @@ from quantkit.runtime.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, rings: int = 0):
+        """`rings`: how many sequences the sliding-window layers' cache holds (0: none); each sequence holding blocks
+        holds one. Prefix caching is off with them: a ring keeps only a window, not the prefix a later prompt shares."""
+        self.rings = rings
+        self.free_rings = list(range(rings - 1, -1, -1))
+        prefix_caching = prefix_caching and not rings
         self.block_size, self.prefix_caching = block_size, prefix_caching
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.refs = [0] * num_blocks
@@ -62,8 +67,10 @@ class BlockManager:
     def ensure(self, seq: Sequence, tokens: int) -> bool:
         """Make `seq.blocks` cover `tokens` slots; False (allocating nothing) when too few blocks are free."""
         need = -(-tokens // self.block_size) - len(seq.blocks)
-        if need > self.num_free:
+        if need > self.num_free or (self.rings and seq.ring is None and not self.free_rings):
             return False
+        if self.rings and seq.ring is None:
+            seq.ring = self.free_rings.pop()
         for _ in range(max(need, 0)):
             block, _ = self.free_blocks.popitem(last=False)  # least recently freed
             if (h := self.hash_of[block]) is not None and self.by_hash.get(h) == block:
@@ -95,4 +102,7 @@ class BlockManager:
                 self.free_blocks[block] = None
         seq.blocks = []
         seq.computed = seq.draft_computed = 0
+        if seq.ring is not None:
+            self.free_rings.append(seq.ring)
+            seq.ring = None
         self.hashed.pop(seq.id, None)

@@ -24,7 +24,7 @@ from quantkit.kernels import fused as fused_kernels
 from quantkit.models import serving_tokenizer
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.json_mode import JsonPrefix, choose
-from quantkit.runtime.kv_cache import CacheSpec, KVCache
+from quantkit.runtime.kv_cache import CacheSpec, KVCache, Ring
 from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
 from quantkit.runtime.layers.linear import KERNELS
 from quantkit.runtime.models.llama import LlamaModel
@@ -95,17 +95,33 @@ class LLMEngine:
         kv_dtype, scales, self.kv_warning = _kv_dtype(cfg.kv_cache_dtype, self.dtype, self.model.kv_scales, m.num_layers)
         spec = CacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, cfg.block_size, kv_dtype)
         self.drafter = self._draft_model() if cfg.speculative and cfg.speculative.method == "draft" else None
-        per_block = spec.bytes_per_block + (self.drafter.spec.bytes_per_block if self.drafter else 0)  # both caches, one budget
-        blocks = (cfg.kv_cache_memory or _default_budget(spec, cfg, m.max_position)) // per_block
+        # sliding-window layers keep each running sequence's last tokens in a ring of their own; the block pool (and
+        # its budget) is the full-attention layers'
+        windowed = [w > 0 for w in m.windows]
+        chunk = max(m.windows) if any(windowed) else None  # prefill chunks no longer than the window
+        self.ring = Ring.for_window(max(m.windows), chunk, cfg.block_size) if any(windowed) else None
+        if self.ring and self.drafter:
+            raise QuantkitError("--draft with a sliding-window model is not supported yet (use --speculative ngram)")
+        ring_seq = self.ring.size * sum(windowed) * spec.layer_block_bytes if self.ring else 0  # one sequence's rings
+        per_block = spec.layer_block_bytes * (m.num_layers - sum(windowed)) + (self.drafter.spec.bytes_per_block if self.drafter else 0)
+        full = CacheSpec(m.num_layers - sum(windowed), m.num_kv_heads, m.head_dim, cfg.block_size, kv_dtype)
+        budget = cfg.kv_cache_memory or _default_budget(full, cfg, m.max_position, ring_seq)
+        # rings for as many sequences as half the budget holds (all of it when every layer is windowed): they bound how
+        # many sequences run at once
+        self.rings = min(cfg.max_num_seqs, budget // ring_seq if not per_block else budget // 2 // ring_seq) if ring_seq else 0
+        if ring_seq and self.rings < 1:
+            raise QuantkitError(f"KV-cache budget too small: one sequence's sliding-window rings need {ring_seq / 2**20:,.1f} MiB")
+        # (every layer windowed, Phi-3-mini's config: blocks only number positions, and cost nothing)
+        blocks = (budget - self.rings * ring_seq) // per_block if per_block else cfg.max_num_seqs * -(-m.max_position // cfg.block_size)
         if blocks < 2:
             raise QuantkitError(f"KV-cache budget too small: one block of {cfg.block_size} tokens needs {per_block} bytes")
-        self.cache = KVCache(spec, blocks, self.dtype, cfg.device, scales)
+        self.cache = KVCache(spec, blocks, self.dtype, cfg.device, scales, windowed, self.rings * (self.ring.size if self.ring else 0))
         if self.drafter:
             self.drafter.allocate(blocks, self.dtype)
         self.timings = dict(self.model.timings)  # seconds: kernels, load (checkpoint, tokenizer, KV cache), repack
         self.timings["load"] += time.perf_counter() - t0
-        self.blocks = BlockManager(blocks, cfg.block_size, cfg.prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.blocks)
+        self.blocks = BlockManager(blocks, cfg.block_size, cfg.prefix_caching, self.rings)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, chunk), self.blocks)
         self.seqs: dict[str, Sequence] = {}
         self.steps = 0
         self._ids = itertools.count()
@@ -147,7 +163,10 @@ class LLMEngine:
         spec = self.cache.spec
         dtype = "fp8 e4m3" if self.cache.fp8 else str(spec.dtype).removeprefix("torch.")
         return (f"KV cache: {self.cache.tokens:,} tokens ({self.cache.num_blocks:,} blocks of {spec.block_size}, {dtype}, "
-                f"{self.cache.num_blocks * spec.bytes_per_block / 2**20:,.0f} MiB); kernels: {self.cfg.kernel}"
+                f"{self.cache.bytes / 2**20:,.0f} MiB"
+                + (f"; {sum(w > 0 for w in self.model.cfg.windows)} sliding-window layers keep {self.ring.size * spec.block_size:,}"
+                   f" tokens a sequence, for {self.rings} sequences at once" if self.ring else "")
+                + f"); kernels: {self.cfg.kernel}"
                 f"{' + ' + fused_kernels.describe() if self.model.fused else ''} on {self.cfg.device}, "
                 f"{str(self.dtype).removeprefix('torch.')} activations{_dtype_reason(self.cfg, self.dtype)}"
                 + (f"; speculative: {spec.num_tokens} draft tokens from "
@@ -293,6 +312,7 @@ class LLMEngine:
         position) of prompts being scored."""
         tokens, positions, slots, seqs, wanted, wants, scores = [], [], [], [], [], [], []
         decode_rows, decode_tables, decode_lens = [], [], []
+        ring_slots, ring_seqs, ring_tables = [], [], []  # the same, placed in the sliding-window layers' rings
         bs = self.cfg.block_size
         for seq, n in work:
             offset, start = len(tokens), seq.computed
@@ -302,12 +322,16 @@ class LLMEngine:
             positions += pos
             slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
             blocks = seq.blocks[: -(-(start + n) // bs)]
+            ring = [self.ring.block(seq.ring, b) for b in range(len(blocks))] if self.ring else []
+            ring_slots += [ring[p // bs] * bs + p % bs for p in pos] if self.ring else []
             if n == 1 or seq.draft:  # a verification's positions attend as decodes do: the same kernels, the same roundings
                 decode_rows += range(offset, offset + n)
                 decode_tables += [blocks] * n
+                ring_tables += [ring] * n
                 decode_lens += range(start + 1, start + n + 1)
             else:
                 seqs.append(SeqSlice(offset, n, start, torch.tensor(blocks, dtype=torch.long)))
+                ring_seqs.append(SeqSlice(offset, n, start, torch.tensor(ring, dtype=torch.long)))
             if seq.params.prompt_logprobs is not None:
                 first = len(seq.prompt_samples)  # after a preemption, positions already scored are not scored again
                 upto = min(start + n, len(seq.prompt) - 1)
@@ -319,7 +343,15 @@ class LLMEngine:
                 wanted += range(offset + n - 1 - len(seq.draft), offset + n)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.cfg.device)
         decodes = Decodes.of(decode_rows, decode_tables, decode_lens, self.cfg.device)
-        return Batch(t(tokens), t(positions), t(slots), seqs, t(wanted), decodes), wants, scores
+        batch = Batch(t(tokens), t(positions), t(slots), seqs, t(wanted), decodes)
+        if self.ring:
+            batch.windowed = Batch(batch.tokens, batch.positions, t(ring_slots), ring_seqs, batch.logits_index,
+                                   Decodes.of(decode_rows, ring_tables, decode_lens, self.cfg.device))
+        return batch, wants, scores
+
+    def single(self, tokens: torch.Tensor, all_logits: bool = False) -> Batch:
+        """One sequence's tokens [n] in blocks 0, 1, ... outside the scheduler (a scoring pass: perplexity, KL)."""
+        return Batch.single(tokens, self.cfg.block_size, all_logits, self.ring)
 
     def _advance(self, seq: Sequence, samples: list[Sample]) -> RequestOutput:
         """Append this step's tokens (none: `max_tokens=0`, the prompt only was wanted; several: accepted drafts)
@@ -444,8 +476,10 @@ def _kv_dtype(name: str, compute: torch.dtype, scales, layers: int):
     return DTYPES[name], None, None
 
 
-def _default_budget(spec: CacheSpec, cfg: EngineConfig, context: int) -> int:
-    want = cfg.max_num_seqs * context * spec.bytes_per_block // spec.block_size
+def _default_budget(spec: CacheSpec, cfg: EngineConfig, context: int, per_sequence: int = 0) -> int:
+    """Enough for max_num_seqs full contexts (plus `per_sequence` bytes each: sliding-window rings), at most a
+    quarter of the free memory."""
+    want = cfg.max_num_seqs * (context * spec.bytes_per_block // spec.block_size + per_sequence)
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

@@ -27,19 +27,44 @@ class CacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return self.num_layers * self.layer_block_bytes
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Keys and values of one block in one layer."""
+        return 2 * self.block_size * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
     def blocks_for(self, budget_bytes: int) -> int:
         return max(budget_bytes // self.bytes_per_block, 0)
 
 
+@dataclass(slots=True, frozen=True)
+class Ring:
+    """A sliding-window layer keeps only a sequence's last tokens: its logical block b lives in block b mod `size` of
+    the sequence's own run of `size` blocks (ring r: blocks r * size .. r * size + size - 1). `size` covers the window,
+    the longest chunk a step writes and a verification's draft rows, so no key a query sees is overwritten first."""
+
+    size: int  # blocks per sequence
+
+    @classmethod
+    def for_window(cls, window: int, chunk: int, block_size: int) -> Ring:
+        return cls(-(-(window + chunk + 17) // block_size) + 1)  # 17: the most positions a verification writes
+
+    def block(self, ring: int, b: int) -> int:
+        return ring * self.size + b % self.size
+
+
 class KVCache:
     def __init__(self, spec: CacheSpec, num_blocks: int, compute_dtype: torch.dtype, device: str,
-                 scales: list[tuple[Tensor, Tensor]] | None = None):
+                 scales: list[tuple[Tensor, Tensor]] | None = None, windowed: list[bool] | None = None,
+                 ring_blocks: int = 0):
+        """`windowed` layers (sliding-window attention) hold `ring_blocks` blocks: their sequences' rings."""
         self.spec, self.num_blocks, self.compute_dtype = spec, num_blocks, compute_dtype
-        shape = (num_blocks, spec.block_size, spec.kv_heads, spec.head_dim)
-        self.k = [_zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
-        self.v = [_zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
+        windowed = windowed or [False] * spec.num_layers
+        shape = lambda w: (ring_blocks if w else num_blocks, spec.block_size, spec.kv_heads, spec.head_dim)
+        self.k = [_zeros(shape(w), spec.dtype, device) for w in windowed]
+        self.v = [_zeros(shape(w), spec.dtype, device) for w in windowed]
+        self.bytes = sum(k.numel() for k in self.k) * 2 * torch.empty(0, dtype=spec.dtype).element_size()
         self.fp8 = spec.dtype == torch.float8_e4m3fn
         self.scales = scales  # per layer (k_scale, v_scale), float32, broadcastable to [.., kv_heads, head_dim]
         ones = torch.ones(spec.kv_heads, device=device)

@@ -15,6 +15,7 @@ from quantkit.runtime.sequence import Sequence, Status
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # tokens per step: prefill chunks plus decodes
+    max_chunk: int | None = None  # tokens of one sequence per step (sliding-window rings hold window + chunk)
 
 
 class Scheduler:
@@ -39,7 +40,7 @@ class Scheduler:
         queue = list(self.running)
         while queue:
             seq = queue.pop(0)
-            n = min(len(seq) - seq.computed, budget)
+            n = min(len(seq) - seq.computed, budget, self.cfg.max_chunk or budget)
             if n <= 0:
                 kept.append(seq)
                 continue
@@ -56,7 +57,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.match_prefix(seq)
-            n = min(len(seq) - seq.computed, budget)
+            n = min(len(seq) - seq.computed, budget, self.cfg.max_chunk or budget)
             if not self.blocks.ensure(seq, seq.computed + n):
                 self.blocks.free(seq)  # a waiting sequence holds no blocks (its cached prefix stays matchable)
                 break

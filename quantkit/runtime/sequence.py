@@ -28,6 +28,7 @@ class Sequence:
     prompt_samples: list[Sample] = field(default_factory=list)  # prompt tokens 1.. scored, with prompt_logprobs
     computed: int = 0  # tokens whose keys/values are in the cache
     blocks: list[int] = field(default_factory=list)
+    ring: int | None = None  # its ring in the sliding-window layers' cache (kv_cache.Ring), while it holds blocks
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output (kept up to date by the engine for stop strings)

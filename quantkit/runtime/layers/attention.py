@@ -10,7 +10,8 @@ from torch import Tensor
 
 from quantkit.kernels import cpu, reference
 from quantkit.kernels import fused as fused_kernels
-from quantkit.runtime.kv_cache import KVCache
+from quantkit import QuantkitError
+from quantkit.runtime.kv_cache import KVCache, Ring
 
 
 @dataclass(slots=True)
@@ -49,14 +50,21 @@ class Batch:
     seqs: list[SeqSlice]  # sequences with several new tokens (prefill chunks), or all of them without `decodes`
     logits_index: Tensor  # [S] batch positions whose next-token logits are wanted
     decodes: Decodes | None = None
+    windowed: Batch | None = None  # the same tokens placed in the sliding-window layers' rings (kv_cache.Ring)
 
     @classmethod
-    def single(cls, tokens: Tensor, block_size: int, all_logits: bool = False) -> Batch:
-        """One sequence's tokens [n] prefilled into blocks 0, 1, ...: logits for a scoring pass (perplexity, KL)
-        outside the scheduler; the last position's, or every position's with `all_logits`."""
+    def single(cls, tokens: Tensor, block_size: int, all_logits: bool = False, ring: Ring | None = None) -> Batch:
+        """One sequence's tokens [n] prefilled into blocks 0, 1, ... (and ring 0): logits for a scoring pass
+        (perplexity, KL) outside the scheduler; the last position's, or every position's with `all_logits`."""
         n = len(tokens)
         wanted = torch.arange(n) if all_logits else torch.tensor([n - 1])
-        return cls(tokens, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // block_size)))], wanted)
+        batch = cls(tokens, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // block_size)))], wanted)
+        if ring is not None:
+            if n > ring.size * block_size:
+                raise QuantkitError(f"a row of {n} tokens is longer than a sliding-window ring ({ring.size * block_size})")
+            blocks = torch.tensor([ring.block(0, b) for b in range(-(-n // block_size))])
+            batch.windowed = cls(tokens, batch.positions, batch.positions, [SeqSlice(0, n, 0, blocks)], wanted)
+        return batch
 
 
 def paged_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, batch: Batch, cache: KVCache, kernel: str,

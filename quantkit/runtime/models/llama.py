@@ -132,7 +132,8 @@ class DecoderLayer(nn.Module):
         q, k, v = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], qkv[:, heads - cfg.num_kv_heads :]
         if cfg.query_scale != 1.0:
             q = q * cfg.query_scale
-        a = paged_attention(self.index, q, k, v, batch, cache, self.kernel, self.fused, self.window)
+        placed = batch.windowed if self.window and batch.windowed is not None else batch  # (a ring, for a window)
+        a = paged_attention(self.index, q, k, v, placed, cache, self.kernel, self.fused, self.window)
         o = self.o(a.reshape(t, -1))
         if self.attn_out_norm is None:
             x, h = self.post_norm.add(x, o)
