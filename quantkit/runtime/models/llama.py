@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norms, SmolLM) on the runtime's layers.
+"""Decoder-only models on the runtime's layers: the Llama family (Llama 2/3, Mistral, Qwen2 with q/k/v bias, Qwen3
+with q/k norms, SmolLM) and the families whose differences quantkit/arch.py describes (Gemma 3, Phi-3): one layer
+class reads the description, none is copied per family.
 
 Weights come from a dense HF checkpoint or a compressed-tensors one; q/k/v and gate/up are fused into one
 Linear each at load (one matmul instead of three or two: at batch 1 on CPU each call costs ~55 µs of overhead).
@@ -30,6 +32,7 @@ from quantkit.runtime.layers.basic import RMSNorm, Rotary, gelu_tanh_mul, rotate
 from quantkit.runtime.layers.decoder import FusedDecoder
 from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse, to_device
 from quantkit.runtime.layers.panel_cache import PanelCache
+
 
 @dataclass(slots=True)
 class ModelConfig:
