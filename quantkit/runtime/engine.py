@@ -99,7 +99,8 @@ class LLMEngine:
         # its budget) is the full-attention layers'
         windowed = [w > 0 for w in m.windows]
         chunk = max(m.windows) if any(windowed) else None  # prefill chunks no longer than the window
-        self.ring = Ring.for_window(max(m.windows), chunk, cfg.block_size) if any(windowed) else None
+        self.window = max(m.windows)
+        self.ring = Ring.for_window(self.window, chunk, cfg.block_size) if any(windowed) else None
         if self.ring and self.drafter:
             raise QuantkitError("--draft with a sliding-window model is not supported yet (use --speculative ngram)")
         ring_seq = self.ring.size * sum(windowed) * spec.layer_block_bytes if self.ring else 0  # one sequence's rings
@@ -312,7 +313,7 @@ class LLMEngine:
         position) of prompts being scored."""
         tokens, positions, slots, seqs, wanted, wants, scores = [], [], [], [], [], [], []
         decode_rows, decode_tables, decode_lens = [], [], []
-        ring_slots, ring_seqs, ring_tables = [], [], []  # the same, placed in the sliding-window layers' rings
+        ring_slots, ring_seqs, ring_tables, ring_lens = [], [], [], []  # the same, placed in the sliding-window layers' rings
         bs = self.cfg.block_size
         for seq, n in work:
             offset, start = len(tokens), seq.computed
@@ -324,14 +325,17 @@ class LLMEngine:
             blocks = seq.blocks[: -(-(start + n) // bs)]
             ring = [self.ring.block(seq.ring, b) for b in range(len(blocks))] if self.ring else []
             ring_slots += [ring[p // bs] * bs + p % bs for p in pos] if self.ring else []
+            # windowed layers attend from the first block any of these queries sees, positions counted from there
+            skip = max(0, start - self.window + 1) // bs if self.ring else 0
             if n == 1 or seq.draft:  # a verification's positions attend as decodes do: the same kernels, the same roundings
                 decode_rows += range(offset, offset + n)
                 decode_tables += [blocks] * n
-                ring_tables += [ring] * n
+                ring_tables += [ring[skip:]] * n
                 decode_lens += range(start + 1, start + n + 1)
+                ring_lens += range(start + 1 - skip * bs, start + n + 1 - skip * bs)
             else:
                 seqs.append(SeqSlice(offset, n, start, torch.tensor(blocks, dtype=torch.long)))
-                ring_seqs.append(SeqSlice(offset, n, start, torch.tensor(ring, dtype=torch.long)))
+                ring_seqs.append(SeqSlice(offset, n, start - skip * bs, torch.tensor(ring[skip:], dtype=torch.long)))
             if seq.params.prompt_logprobs is not None:
                 first = len(seq.prompt_samples)  # after a preemption, positions already scored are not scored again
                 upto = min(start + n, len(seq.prompt) - 1)
@@ -346,7 +350,7 @@ class LLMEngine:
         batch = Batch(t(tokens), t(positions), t(slots), seqs, t(wanted), decodes)
         if self.ring:
             batch.windowed = Batch(batch.tokens, batch.positions, t(ring_slots), ring_seqs, batch.logits_index,
-                                   Decodes.of(decode_rows, ring_tables, decode_lens, self.cfg.device))
+                                   Decodes.of(decode_rows, ring_tables, ring_lens, self.cfg.device))
         return batch, wants, scores
 
     def single(self, tokens: torch.Tensor, all_logits: bool = False) -> Batch:
