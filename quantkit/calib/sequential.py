@@ -201,16 +201,16 @@ def quantize_awq(layer, local: dict[str, nn.Module], batches, scheme: Scheme, dt
         balance = [local.get(b) for b in m.balance]
         if any(b is None for b in balance):
             continue  # ignored modules
-        rows = _feeding_rows(prev, m.prev, balance[0].in_features) if isinstance(prev, nn.Linear) else None
-        if isinstance(prev, nn.Linear) and rows is None:
+        feeding = _feeding_rows(prev, m.prev, balance[0].in_features) if isinstance(prev, nn.Linear) else None
+        if isinstance(prev, nn.Linear) and feeding is None:
             continue  # v->o under grouped-query attention: v is narrower than o's input
         s, _ = awq.search_scale(x_of[m.balance[0]], [b.weight for b in balance], scheme, dtype)
         for b in balance:
             b.weight.mul_(s.to(b.weight.dtype))
         if isinstance(prev, nn.Linear):  # the output rows that feed the balance Linears, bias included (Qwen's v_proj)
-            prev.weight[rows].div_(s.to(prev.weight.dtype).unsqueeze(1))
+            prev.weight[feeding].div_(s.to(prev.weight.dtype).unsqueeze(1))
             if prev.bias is not None:
-                prev.bias[rows].div_(s.to(prev.bias.dtype))
+                prev.bias[feeding].div_(s.to(prev.bias.dtype))
         else:  # a norm scaling by (offset + w): the folded scale is (offset + w) / s
             w = prev.weight.float()
             prev.weight.copy_((arch.norm_offset + w) / s.float() - arch.norm_offset)
