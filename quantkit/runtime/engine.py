@@ -98,14 +98,14 @@ class LLMEngine:
         # sliding-window layers keep each running sequence's last tokens in a ring of their own; the block pool (and
         # its budget) is the full-attention layers'
         windowed = [w > 0 for w in m.windows]
-        chunk = max(m.windows) if any(windowed) else None  # prefill chunks no longer than the window
         self.window = max(m.windows)
+        chunk = self.window or None  # prefill chunks no longer than the window
         self.ring = Ring.for_window(self.window, chunk, cfg.block_size) if any(windowed) else None
         if self.ring and self.drafter:
             raise QuantkitError("--draft with a sliding-window model is not supported yet (use --speculative ngram)")
         ring_seq = self.ring.size * sum(windowed) * spec.layer_block_bytes if self.ring else 0  # one sequence's rings
-        per_block = spec.layer_block_bytes * (m.num_layers - sum(windowed)) + (self.drafter.spec.bytes_per_block if self.drafter else 0)
         full = CacheSpec(m.num_layers - sum(windowed), m.num_kv_heads, m.head_dim, cfg.block_size, kv_dtype)
+        per_block = full.bytes_per_block + (self.drafter.spec.bytes_per_block if self.drafter else 0)
         budget = cfg.kv_cache_memory or _default_budget(full, cfg, m.max_position, ring_seq)
         # rings for as many sequences as half the budget holds (all of it when every layer is windowed): they bound how
         # many sequences run at once
@@ -165,7 +165,7 @@ class LLMEngine:
         dtype = "fp8 e4m3" if self.cache.fp8 else str(spec.dtype).removeprefix("torch.")
         return (f"KV cache: {self.cache.tokens:,} tokens ({self.cache.num_blocks:,} blocks of {spec.block_size}, {dtype}, "
                 f"{self.cache.bytes / 2**20:,.0f} MiB"
-                + (f"; {sum(w > 0 for w in self.model.cfg.windows)} sliding-window layers keep {self.ring.size * spec.block_size:,}"
+                + (f"; {sum(map(bool, self.model.cfg.windows))} sliding-window layers keep {self.ring.size * spec.block_size:,}"
                    f" tokens a sequence, for {self.rings} sequences at once" if self.ring else "")
                 + f"); kernels: {self.cfg.kernel}"
                 f"{' + ' + fused_kernels.describe() if self.model.fused else ''} on {self.cfg.device}, "
@@ -323,19 +323,20 @@ class LLMEngine:
             positions += pos
             slots += [seq.blocks[p // bs] * bs + p % bs for p in pos]
             blocks = seq.blocks[: -(-(start + n) // bs)]
-            ring = [self.ring.block(seq.ring, b) for b in range(len(blocks))] if self.ring else []
-            ring_slots += [ring[p // bs] * bs + p % bs for p in pos] if self.ring else []
-            # windowed layers attend from the first block any of these queries sees, positions counted from there
+            # windowed layers attend from the first block any of these queries sees, positions counted from there:
+            # their ring blocks from that one on (the blocks behind it are neither read nor written this step)
             skip = max(0, start - self.window + 1) // bs if self.ring else 0
+            ring = [self.ring.block(seq.ring, b) for b in range(skip, len(blocks))] if self.ring else []
+            ring_slots += [ring[p // bs - skip] * bs + p % bs for p in pos] if self.ring else []
             if n == 1 or seq.draft:  # a verification's positions attend as decodes do: the same kernels, the same roundings
                 decode_rows += range(offset, offset + n)
                 decode_tables += [blocks] * n
-                ring_tables += [ring[skip:]] * n
+                ring_tables += [ring] * n
                 decode_lens += range(start + 1, start + n + 1)
                 ring_lens += range(start + 1 - skip * bs, start + n + 1 - skip * bs)
             else:
                 seqs.append(SeqSlice(offset, n, start, torch.tensor(blocks, dtype=torch.long)))
-                ring_seqs.append(SeqSlice(offset, n, start - skip * bs, torch.tensor(ring[skip:], dtype=torch.long)))
+                ring_seqs.append(SeqSlice(offset, n, start - skip * bs, torch.tensor(ring, dtype=torch.long)))
             if seq.params.prompt_logprobs is not None:
                 first = len(seq.prompt_samples)  # after a preemption, positions already scored are not scored again
                 upto = min(start + n, len(seq.prompt) - 1)
