@@ -23,6 +23,41 @@ class Mapping:
 
 
 @dataclass(frozen=True, slots=True)
+class MoE:
+    """A sparse MLP block: where its parts are in the checkpoint and how the router weighs the experts it picks.
+
+    HF transformers (5.x) holds the experts fused, `mlp.experts.gate_up_proj` [experts, 2 * inter, hidden] (gate rows
+    first) and `mlp.experts.down_proj` [experts, hidden, inter], under `mlp` for every family; checkpoints, vLLM's
+    loaders and quantkit's files name each expert's Linears, under `block` (`experts.{e}.{proj}`)."""
+
+    block: str  # the block's name in the checkpoint: its router is `{block}.gate`, its experts `{block}.experts.{e}`
+    proj: tuple[str, str, str]  # an expert's gate, up and down Linears as the checkpoint names them
+    inter_key: str  # config.json key of an expert's intermediate width
+    norm_topk: bool | None = None  # the chosen experts' probabilities renormalised to sum to 1; None: config `norm_topk_prob`
+
+    def layers(self, config: dict) -> list[bool]:
+        """Which decoder layers are sparse (Qwen: every `decoder_sparse_step`-th outside `mlp_only_layers`)."""
+        n, step = config["num_hidden_layers"], config.get("decoder_sparse_step") or 1
+        dense = set(config.get("mlp_only_layers") or ())
+        return [bool(self.experts(config)) and i not in dense and (i + 1) % step == 0 for i in range(n)]
+
+    @staticmethod
+    def experts(config: dict) -> int:
+        """The expert count (Qwen's hub configs say `num_experts`; transformers 5 saves `num_local_experts`, as Mixtral's)."""
+        return config.get("num_experts") or config.get("num_local_experts") or 0
+
+    def expert(self, e: int, which: int) -> str:
+        """Checkpoint name (within the layer) of expert `e`'s gate (0), up (1) or down (2) Linear."""
+        return f"{self.block}.experts.{e}.{self.proj[which]}"
+
+    def normalises(self, config: dict) -> bool:
+        return self.norm_topk if self.norm_topk is not None else bool(config.get("norm_topk_prob", False))
+
+
+SHARED = "mlp.shared_expert"  # Qwen2-MoE: an always-on MLP beside the experts, weighed by sigmoid(mlp.shared_expert_gate)
+
+
+@dataclass(frozen=True, slots=True)
 class Arch:
     name: str
     model_types: tuple[str, ...]  # config.json `model_type`
@@ -37,11 +72,13 @@ class Arch:
     qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # as the checkpoint names
     # them; the runtime fuses them into one Linear (Phi-3's checkpoint holds them fused already, v last)
     gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")  # likewise (Phi-3: gate_up_proj, the gate first)
+    moe: MoE | None = None  # sparse MLP layers (which ones: `MoE.layers`); a router and its gates stay dense
 
     @property
     def llama_layer(self) -> bool:
         """The layer computes exactly Llama's (the runtime's C++ decode loop runs it)."""
-        return not self.norm_offset and not self.attn_out_norm and not self.mlp_out_norm and self.activation == "silu"
+        return (not self.norm_offset and not self.attn_out_norm and not self.mlp_out_norm and self.activation == "silu"
+                and self.moe is None)
 
     @property
     def awq(self) -> tuple[Mapping, ...]:
@@ -63,7 +100,11 @@ GEMMA3 = Arch("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), ("gemma3",), n
               mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
               mlp_out_norm="post_feedforward_layernorm", activation="gelu_tanh", embed_scale=True)
 PHI3 = Arch("phi3", ("phi3",), ("Phi3ForCausalLM",), (), qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",))
-ARCHS = (LLAMA, GEMMA3, PHI3)
+QWEN_MOE = Arch("qwen_moe", ("qwen3_moe", "qwen2_moe"), ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"), (),
+                moe=MoE("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_intermediate_size"))
+MIXTRAL = Arch("mixtral", ("mixtral",), ("MixtralForCausalLM",), (),
+               moe=MoE("block_sparse_moe", ("w1", "w3", "w2"), "intermediate_size", norm_topk=True))
+ARCHS = (LLAMA, GEMMA3, PHI3, QWEN_MOE, MIXTRAL)
 
 
 def arch_of(config: dict, where: Path | str = "") -> Arch:

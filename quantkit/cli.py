@@ -101,6 +101,10 @@ def _quantize_table(result) -> None:
     if result.calibration:
         table.add_row("calibration", result.calibration)
     table.add_row("quantized Linears", str(result.quantized_modules))
+    if result.expert_tokens:  # the calibration tokens each expert was routed, over the sparse layers
+        counts = sorted(n for tokens in result.expert_tokens.values() for n in tokens)
+        table.add_row("tokens per expert", f"min {counts[0]}, median {counts[len(counts) // 2]}, max {counts[-1]} "
+                      f"({len(counts)} experts in {len(result.expert_tokens)} layers; per expert in quantkit.json)")
     table.add_row("size", f"{human_bytes(result.dense_bytes)} dense fp16 -> {human_bytes(result.out_bytes)} "
                   f"({result.dense_bytes / max(result.out_bytes, 1):.2f}x smaller)")
     table.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in result.timings_s.items()))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from quantkit import QuantkitError
-from quantkit.arch import arch_of
+from quantkit.arch import LLAMA, Arch, arch_of
 from quantkit.builtin import BUILTINS, gguf_path, part_files
 
 # Decoder-only families whose layers live at `model.layers` with q/k/v/o and gate/up/down projections.
@@ -202,16 +202,33 @@ def skeleton(path: Path, compute_dtype: torch.dtype, device: str) -> torch.nn.Mo
     return model.eval()
 
 
-def load_layer(layer: torch.nn.Module, prefix: str, source, device: str) -> torch.nn.Module:
+def checkpoint_parts(key: str, tensor: torch.Tensor, arch: Arch) -> list[tuple[str, torch.Tensor]]:
+    """An entry of an HF decoder layer's state dict as the checkpoint stores it: (name within the layer, view of
+    `tensor`) pairs. HF holds a sparse block's experts fused ([experts, 2 * inter, hidden], gate rows first, and
+    [experts, hidden, inter]) and always under `mlp`; checkpoints name each expert's Linears under the family's block."""
+    moe = arch.moe
+    if moe is None or not key.startswith("mlp."):
+        return [(key, tensor)]
+    if key == "mlp.experts.gate_up_proj":
+        inter = tensor.shape[1] // 2
+        return [(f"{moe.expert(e, j)}.weight", tensor[e, j * inter : (j + 1) * inter])
+                for e in range(tensor.shape[0]) for j in (0, 1)]
+    if key == "mlp.experts.down_proj":
+        return [(f"{moe.expert(e, 2)}.weight", tensor[e]) for e in range(tensor.shape[0])]
+    return [(moe.block + key.removeprefix("mlp"), tensor)]  # the router; a dense layer's or the shared expert's MLP
+
+
+def load_layer(layer: torch.nn.Module, prefix: str, source, device: str, arch: Arch = LLAMA) -> torch.nn.Module:
     """Materialize one decoder layer's weights (read from `source` by name) on `device`."""
     layer.to_empty(device=device)
     with torch.no_grad():
         for key, tensor in layer.state_dict().items():  # one tensor at a time: no second copy of the layer
-            value = source.get(f"{prefix}.{key}")
-            if value.shape != tensor.shape:
-                raise QuantkitError(f"tensor {prefix}.{key} in {source.path} has shape {list(value.shape)}; "
-                                    f"its config.json makes it {list(tensor.shape)}")
-            tensor.copy_(value)
+            for name, part in checkpoint_parts(key, tensor, arch):
+                value = source.get(f"{prefix}.{name}")
+                if value.shape != part.shape:
+                    raise QuantkitError(f"tensor {prefix}.{name} in {source.path} has shape {list(value.shape)}; "
+                                        f"its config.json makes it {list(part.shape)}")
+                part.copy_(value)
     return layer
 
 

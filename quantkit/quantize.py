@@ -22,6 +22,7 @@ from quantkit import QuantkitError
 from quantkit.arch import Arch, arch_of
 from quantkit.calib.data import CalibConfig, build
 from quantkit.calib.sequential import (
+    MIN_EXPERT_TOKENS,
     Batch,
     LayerResult,
     first_layer_inputs,
@@ -41,6 +42,7 @@ from quantkit.formats.save import (
 from quantkit.memory import peak_rss_bytes, return_freed_memory
 from quantkit.models import (
     DTYPES,
+    checkpoint_parts,
     decoder_layers,
     load_layer,
     load_tokenizer,
@@ -52,7 +54,7 @@ from quantkit.models import (
     source_hash,
     weight_files,
 )
-from quantkit.quant.apply import Target, find_targets, matches, resolve_group_size
+from quantkit.quant.apply import Target, find_targets, matches, resolve_group_size, routers
 from quantkit.quant.kv_fp8 import kv_scale
 from quantkit.ui import Reporter
 
@@ -71,6 +73,7 @@ class QuantizeResult:
     peak_rss_bytes: int
     calibration: str | None = None
     notes: list[str] = field(default_factory=list)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # sparse layer -> calibration tokens per expert
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -85,6 +88,7 @@ class QuantizeResult:
             "timings_s": self.timings_s,
             "peak_rss_bytes": self.peak_rss_bytes,
             "notes": self.notes,
+            "expert_tokens": self.expert_tokens,
         }
 
 
@@ -160,16 +164,29 @@ def calibration_batches(model, layers, recipe: Recipe, calib: CalibConfig, token
     return batches, f"{calib.source}: {calib_set.describe()}, seed {calib.seed}"
 
 
-def write_layer(writer: ShardWriter, layer: nn.Module, prefix: str, result: LayerResult, recipe: Recipe, dtype: torch.dtype) -> None:
+def write_layer(writer: ShardWriter, layer: nn.Module, prefix: str, result: LayerResult, recipe: Recipe, dtype: torch.dtype,
+                arch: Arch) -> None:
     for key, tensor in layer.state_dict().items():
-        module = f"{prefix}.{key.removesuffix('.weight')}"
-        if key.endswith(".weight") and module in result.qweights:
-            for name, t in compressed_tensors_of(module, result.qweights[module]).items():
-                writer.add(name, t)
-        else:
-            writer.add(f"{prefix}.{key}", tensor.to(dtype))
+        for name, part in checkpoint_parts(key, tensor, arch):
+            module = f"{prefix}.{name.removesuffix('.weight')}"
+            if name.endswith(".weight") and module in result.qweights:
+                for packed, t in compressed_tensors_of(module, result.qweights[module]).items():
+                    writer.add(packed, t)
+            else:
+                writer.add(f"{prefix}.{name}", part.to(dtype))
     for kind, amax in result.kv_absmax.items():
         writer.add(f"{prefix}.self_attn.{kind}_scale", kv_scale(amax, recipe.kv_strategy, dtype))
+
+
+def few_tokens_note(layer: str, tokens: list[int]) -> str | None:
+    """The warning for a sparse layer's experts that the calibration rows hardly reach (the fallback is
+    `calib.sequential.Routed.inputs`)."""
+    few = [(e, n) for e, n in enumerate(tokens) if n < MIN_EXPERT_TOKENS]
+    if not few:
+        return None
+    return (f"{layer}: expert{'s' * (len(few) > 1)} {', '.join(str(e) for e, _ in few)} received fewer than "
+            f"{MIN_EXPERT_TOKENS} calibration tokens ({', '.join(str(n) for _, n in few)}); calibrated on all of the "
+            "layer's tokens instead (more or more varied calibration rows reach them)")
 
 
 def run_quantize(
@@ -207,7 +224,7 @@ def run_quantize(
     if tokenizer is None:
         notes.append(f"no tokenizer in {resolved.path}; the checkpoint will have none")
     layers = decoder_layers(model)
-    targets = find_targets(layers, "model.layers", recipe.ignore) if recipe.scheme() else []
+    targets = find_targets(layers, "model.layers", recipe.ignore, arch) if recipe.scheme() else []
     if note := resolve_group_size(recipe, targets):
         notes.append(note)
         ui.note(note)
@@ -226,6 +243,7 @@ def run_quantize(
 
     start = time.perf_counter()
     quantized: set[str] = set()
+    expert_tokens: dict[str, list[int]] = {}
     with atomic_dir(out, force) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         for key in model.state_dict():  # embeddings, final norm, untied lm_head: dense, from the source
@@ -235,11 +253,16 @@ def run_quantize(
         with ui.bar(label, len(layers)) as advance:
             for i, layer, result in walk(
                 layers, by_layer(targets, len(layers)), batches, recipe, dtype, arch,
-                load=lambda i, layer: load_layer(layer, f"model.layers.{i}", source, device),
+                load=lambda i, layer: load_layer(layer, f"model.layers.{i}", source, device, arch),
                 release=release_layer,
             ):
-                write_layer(writer, layer, f"model.layers.{i}", result, recipe, dtype)
+                write_layer(writer, layer, f"model.layers.{i}", result, recipe, dtype, arch)
                 quantized |= set(result.qweights)
+                if result.expert_tokens is not None:
+                    expert_tokens[f"model.layers.{i}"] = result.expert_tokens
+                    if note := few_tokens_note(f"model.layers.{i}", result.expert_tokens):
+                        notes.append(note)
+                        ui.note(note)
                 advance()
         timings["quantize"] = round(time.perf_counter() - start, 3)
         start = time.perf_counter()
@@ -247,7 +270,8 @@ def run_quantize(
             names = writer.finish()
             kv = recipe.kv_strategy if recipe.kv_cache else None
             actorder = recipe.actorder if recipe.method == "gptq" else None
-            qconfig = quantization_config(recipe.scheme(), dense_ignore(model, recipe.ignore, quantized), kv, actorder)
+            ignore = dense_ignore(model, recipe.ignore, quantized) + routers(layers, "model.layers", arch)
+            qconfig = quantization_config(recipe.scheme(), ignore, kv, actorder)
             write_metadata(tmp, model.config, _generation_config(resolved.path), tokenizer, qconfig, dtype)
             timings["save"] = round(time.perf_counter() - start, 3)
             write_manifest(tmp, {
@@ -258,6 +282,7 @@ def run_quantize(
                 "source": {"model": spec, "kind": resolved.kind, "files": [f.name for f in files], "sha256": digest},
                 "timings_s": dict(timings),
                 "notes": notes,
+                **({"expert_tokens": expert_tokens} if expert_tokens else {}),
             })
     params = source.parameters(bool(config.get("tie_word_embeddings")))
     return QuantizeResult(
@@ -271,6 +296,7 @@ def run_quantize(
         peak_rss_bytes=peak_rss_bytes(),
         calibration=calibration,
         notes=notes,
+        expert_tokens=expert_tokens,
     )
 
 
@@ -289,7 +315,8 @@ def quantize_loaded(model: nn.Module, recipe: Recipe, scale_dtype: torch.dtype, 
     The same walk as `run_quantize`, without disk; the reference the tests hold checkpoints against.
     """
     layers = decoder_layers(model)
-    targets = find_targets(layers, "model.layers", recipe.ignore) if recipe.scheme() else []
+    arch = arch_of(model.config.to_dict())
+    targets = find_targets(layers, "model.layers", recipe.ignore, arch) if recipe.scheme() else []
     resolve_group_size(recipe, targets)
     batches = None
     if recipe.needs_calibration:
@@ -297,5 +324,4 @@ def quantize_loaded(model: nn.Module, recipe: Recipe, scale_dtype: torch.dtype, 
             raise QuantkitError(f"method {recipe.method} needs calibration rows")
         device = next(model.parameters()).device.type
         batches = first_layer_inputs(model, layers, calib_ids, CALIB_BATCH, device)
-    arch = arch_of(model.config.to_dict())
     return {f"model.layers.{i}": r for i, _, r in walk(layers, by_layer(targets, len(layers)), batches, recipe, scale_dtype, arch)}

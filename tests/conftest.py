@@ -149,6 +149,42 @@ def tiny_phi3_dir(tmp_path_factory) -> Path:
     return make_tiny_phi3(tmp_path_factory.mktemp("phi3") / "model")
 
 
+def make_tiny_moe(path: Path, family: str, seed: int = 0) -> Path:
+    """A random sparse model (bf16) of `family`: qwen3_moe (q/k norms, normalised top-k, layer 1 dense through
+    `mlp_only_layers`), qwen2_moe (q/k/v bias, a shared expert behind a sigmoid gate, top-k not renormalised) or
+    mixtral (its checkpoint's `block_sparse_moe.experts.{e}.w1/w2/w3`). 8 experts, 2 per token; the routers' weights
+    are scaled up so that tokens prefer some experts over others, as trained routers do."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  num_experts_per_tok=2, tie_word_embeddings=False, pad_token_id=3, bos_token_id=1, eos_token_id=2)
+    config = {
+        "qwen3_moe": lambda: Qwen3MoeConfig(**common, num_hidden_layers=3, intermediate_size=256, moe_intermediate_size=64,
+                                            head_dim=32, num_experts=8, norm_topk_prob=True, mlp_only_layers=[1]),
+        "qwen2_moe": lambda: Qwen2MoeConfig(**common, num_hidden_layers=2, intermediate_size=256, moe_intermediate_size=64,
+                                            shared_expert_intermediate_size=128, num_experts=8, norm_topk_prob=False),
+        "mixtral": lambda: MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=8),
+    }[family]()
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    model.to(torch.bfloat16).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+@pytest.fixture(scope="session", params=MOE_FAMILIES)
+def tiny_moe(request, tmp_path_factory) -> tuple[str, Path]:
+    """(family, tiny sparse checkpoint) for each mixture-of-experts family."""
+    return request.param, make_tiny_moe(tmp_path_factory.mktemp(request.param) / "model", request.param)
+
+
 @pytest.fixture(scope="session")
 def qwen05_w4(qwen05_dir, tmp_path_factory) -> Path:
     """`quantkit quantize qwen2.5-coder-0.5b --bits 4` (RTN, group 128), as a user runs it."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from quantkit.arch import LLAMA, Arch
+from quantkit.arch import LLAMA, SHARED, Arch, MoE
 from quantkit.config import Recipe, Scheme
 from quantkit.memory import reuse_freed_memory
 from quantkit.quant import awq
@@ -52,6 +52,7 @@ def layer_kind(layer: nn.Module) -> str:
 class LayerResult:
     qweights: dict[str, QuantizedWeight]  # full module name -> quantized weight
     kv_absmax: dict[str, Tensor] = field(default_factory=dict)  # "k" / "v" -> [1] or [kv_heads]
+    expert_tokens: list[int] | None = None  # a sparse layer's calibration tokens routed to each expert
 
 
 class _Stop(Exception):
@@ -192,15 +193,17 @@ def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
 
 
 @torch.no_grad()
-def quantize_awq(layer, local: dict[str, nn.Module], batches, scheme: Scheme, dtype, arch: Arch) -> dict[str, QuantizedWeight]:
-    """Scale search and folding per mapping, then a clipping search per Linear, then RTN."""
-    rows = collect(layer, local, batches, _rows)
-    x_of = {n: rows.stats[rows.owner[n]] for n in local}
+def quantize_awq(layer, local: dict, batches, scheme: Scheme, dtype, arch: Arch) -> tuple[dict[str, QuantizedWeight], list[int] | None]:
+    """Scale search and folding per mapping, then a clipping search per Linear, then RTN; a sparse block's experts
+    by `_awq_experts`. Returns the quantized weights and a sparse layer's tokens per expert."""
+    linears = {n: m for n, m in local.items() if isinstance(m, nn.Module)}
+    rows = collect(layer, linears, batches, _rows)
+    x_of = {n: rows.stats[rows.owner[n]] for n in linears}
     for m in arch.awq:
-        prev = layer.get_submodule(m.prev)
-        balance = [local.get(b) for b in m.balance]
+        balance = [linears.get(b) for b in m.balance]
         if any(b is None for b in balance):
-            continue  # ignored modules
+            continue  # ignored modules, or a sparse layer's MLP (no dense gate/up/down)
+        prev = layer.get_submodule(m.prev)
         feeding = _feeding_rows(prev, m.prev, balance[0].in_features) if isinstance(prev, nn.Linear) else None
         if isinstance(prev, nn.Linear) and feeding is None:
             continue  # v->o under grouped-query attention: v is narrower than o's input
@@ -214,16 +217,41 @@ def quantize_awq(layer, local: dict[str, nn.Module], batches, scheme: Scheme, dt
         else:  # a norm scaling by (offset + w): the folded scale is (offset + w) / s
             w = prev.weight.float()
             prev.weight.copy_((arch.norm_offset + w) / s.float() - arch.norm_offset)
-    rows = collect(layer, local, batches, _rows)  # inputs as the scaled layer now sees them
-    out = {}
-    for name, module in local.items():
-        x = rows.stats[rows.owner[name]][:CLIP_ROWS]
-        if name.endswith(awq.NO_CLIP):
-            ratio = torch.ones(module.out_features, module.in_features // (scheme.group_size or module.in_features))
-        else:
-            ratio = awq.search_clip(module.weight, x, scheme, dtype)
-        out[name] = awq.rtn_clipped(module.weight, ratio.to(module.weight.device), scheme, dtype)
-    return out
+    rows = collect(layer, linears, batches, _rows)  # inputs as the scaled layer now sees them
+    out = {name: _clipped(name, module, rows.stats[rows.owner[name]], scheme, dtype) for name, module in linears.items()}
+    tokens = _awq_experts(layer, local, batches, scheme, dtype, arch.moe, out) if is_sparse(layer) else None
+    return out, tokens
+
+
+def _clipped(name: str, module, x: Tensor, scheme: Scheme, dtype) -> QuantizedWeight:
+    if name.endswith(awq.NO_CLIP):
+        ratio = torch.ones(module.out_features, module.in_features // (scheme.group_size or module.in_features))
+    else:
+        ratio = awq.search_clip(module.weight, x[:CLIP_ROWS], scheme, dtype)
+    return awq.rtn_clipped(module.weight, ratio.to(module.weight.device), scheme, dtype)
+
+
+@torch.no_grad()
+def _awq_experts(layer, local: dict, batches, scheme: Scheme, dtype, moe: MoE, out: dict) -> list[int]:
+    """Each expert on the tokens routed to it: its up -> down scales, then clipping. The norm before the block feeds
+    every expert and the router, so no scale is folded into it (one scale would have to suit them all)."""
+    mlp = layer.mlp
+    r = routed(mlp, (_input_of(mlp, lambda b=b: layer(b.hidden, **b.kwargs)) for b in batches))
+    n = mlp.experts.gate_up_proj.shape[0]
+    for e in range(n):
+        names = [moe.expert(e, j) for j in range(3)]
+        x = r.inputs(e)[:AWQ_ROWS].float()
+        mid = torch.cat(list(expert_mid(mlp.experts, e, x.to(mlp.experts.gate_up_proj.dtype)))).float()
+        if all(name in local for name in names):
+            up, down = local[names[1]], local[names[2]]
+            s, _ = awq.search_scale(mid, [down.weight], scheme, dtype)
+            down.weight.mul_(s.to(down.weight.dtype))
+            up.weight.div_(s.to(up.weight.dtype).unsqueeze(1))
+            mid = mid / s
+        for name, xin in zip(names, (x, x, mid)):
+            if name in local:
+                out[name] = _clipped(name, local[name], xin, scheme, dtype)
+    return r.counts(n)
 
 
 def _feeding_rows(prev: nn.Linear, name: str, width: int) -> slice | None:
@@ -312,8 +340,9 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
     MLP's intermediate, 5.8x the hidden size, is never kept: it is computed a few rows at a time for the down projection's
     Hessian and again, from the quantized gate/up, for the outputs (one more gate/up GEMM a layer; a 1.5B model
     kept 1.2 GB of it in float32). Each Hessian is factored in its own buffer (no copy beside it).
-    Returns (quantized weights, the next layer's inputs, K/V absmax)."""
-    attn, mlp = layer.self_attn, layer.mlp
+    A sparse MLP block is quantized by `_gptq_sparse`.
+    Returns (quantized weights, the next layer's inputs, K/V absmax, a sparse layer's tokens per expert)."""
+    attn, mlp, sparse = layer.self_attn, layer.mlp, is_sparse(layer)
     mlp_norm = layer.get_submodule(arch.mlp_norm)
     attn_out, mlp_out = (layer.get_submodule(n) if n else nn.Identity() for n in (arch.attn_out_norm, arch.mlp_out_norm))
     cfg = GPTQConfig(block_size=recipe.block_size, damp=recipe.damp, actorder=recipe.actorder == "static")
@@ -348,11 +377,13 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
             hs["qkv"] = hessian([layer.input_layernorm(b.hidden)], hs["qkv"])
             o_in = o_input(b)
             hs["o"] = hessian([o_in], hs["o"])
-            h = b.hidden + attn_out(attn.o_proj(o_in))
-            hs["gate_up"] = hessian([mlp_norm(h)], hs["gate_up"])
-            hs["down"] = hessian(mid(h), hs["down"])
+            if not sparse:
+                h = b.hidden + attn_out(attn.o_proj(o_in))
+                hs["gate_up"] = hessian([mlp_norm(h)], hs["gate_up"])
+                hs["down"] = hessian(mid(h), hs["down"])
         for names, key in ((qkv, "qkv"), (o, "o"), (gate_up, "gate_up"), (down, "down")):
-            solve(names, hs.pop(key))
+            if hs[key] is not None:
+                solve(names, hs.pop(key))
     else:
         solve(qkv, hessian(layer.input_layernorm(b.hidden) for b in batches))
     with KVObserver(layer, kv_strategy) as kv:  # q/k/v are quantized by now
@@ -364,12 +395,35 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
         solve(o, hessian(o_in))
     for b in batches:  # x -> h, freeing each attention output as it is used
         b.hidden = b.hidden + attn_out(attn.o_proj(o_in.pop(0)))
+    if sparse:
+        expert_tokens = _gptq_sparse(mlp, (mlp_norm(b.hidden) for b in batches), solve, hessian, arch.moe)
+        for b in batches:  # h -> the layer's output
+            b.hidden = b.hidden + mlp_out(mlp(mlp_norm(b.hidden)))
+        return qweights, batches, kv.amax, expert_tokens
     if recipe.true_sequential:
         solve(gate_up, hessian(mlp_norm(b.hidden) for b in batches))
         solve(down, hessian(m for b in batches for m in mid(b.hidden)))
     for b in batches:  # h -> the layer's output
         b.hidden = b.hidden + mlp_out(torch.cat([mlp.down_proj(m) for m in mid(b.hidden)]))
-    return qweights, batches, kv.amax
+    return qweights, batches, kv.amax, None
+
+
+def _gptq_sparse(mlp: nn.Module, inputs: Iterable[Tensor], solve, hessian, moe: MoE) -> list[int]:
+    """A sparse block, always sequentially: each expert's gate/up from the tokens the router sends it (see
+    `Routed.inputs` for an expert sent too few), then its down from what its quantized gate/up make of them; the
+    shared expert likewise from every token. The routers stay dense. Returns the tokens routed to each expert."""
+    r = routed(mlp, inputs)
+    experts = mlp.experts
+    n = experts.gate_up_proj.shape[0]
+    for e in range(n):
+        x = r.inputs(e)
+        solve([moe.expert(e, 0), moe.expert(e, 1)], hessian([x]))
+        solve([moe.expert(e, 2)], hessian(expert_mid(experts, e, x)))
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:
+        solve([f"{SHARED}.gate_proj", f"{SHARED}.up_proj"], hessian([r.x]))
+        solve([f"{SHARED}.down_proj"], hessian(_input_of(shared.down_proj, lambda x=x: shared(x)) for x in r.x.split(EXPERT_CHUNK)))
+    return r.counts(n)
 
 
 def _input_of(module: nn.Module, run: Callable[[], object]) -> Tensor:
@@ -390,6 +444,61 @@ def _input_of(module: nn.Module, run: Callable[[], object]) -> Tensor:
     return got[0]
 
 
+MIN_EXPERT_TOKENS = 16  # an expert routed fewer calibration tokens is calibrated on all of its layer's tokens
+EXPERT_CHUNK = 1024  # tokens per expert-intermediate computed at once
+
+
+@dataclass(slots=True)
+class Routed:
+    """What a sparse block's experts received over every calibration row: the block's input and the router's picks."""
+
+    x: Tensor  # [tokens, hidden]
+    chosen: Tensor  # [tokens, top_k] expert ids
+
+    def counts(self, experts: int) -> list[int]:
+        return torch.bincount(self.chosen.reshape(-1), minlength=experts)[:experts].tolist()
+
+    def inputs(self, e: int) -> Tensor:
+        """Expert e's calibration inputs [n, hidden]: the tokens routed to it, or, when fewer than MIN_EXPERT_TOKENS
+        were (a Hessian of rank < 16 says little about the weight), every token of the layer, as if all were."""
+        rows = (self.chosen == e).any(-1)
+        return self.x[rows] if int(rows.sum()) >= MIN_EXPERT_TOKENS else self.x
+
+
+def routed(mlp: nn.Module, block_inputs: Iterable[Tensor]) -> Routed:
+    """Run the router on each batch of the block's inputs [.., hidden] and record where it sends each token (the
+    family's own routing: the experts' forward receives the picks; it is not run)."""
+    xs, chosen = [], []
+
+    def grab(module, args, kwargs):
+        x, top = (list(args) + [kwargs.get("hidden_states"), kwargs.get("top_k_index")])[:2]
+        xs.append(x.reshape(-1, x.shape[-1]))
+        chosen.append(top)
+        raise _Stop
+
+    handle = mlp.experts.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for x in block_inputs:
+            try:
+                mlp(x)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return Routed(torch.cat(xs), torch.cat(chosen))
+
+
+def expert_mid(experts: nn.Module, e: int, x: Tensor) -> Iterator[Tensor]:
+    """Expert e's down-projection inputs act(gate(x)) * up(x), from its current (quantized) weights, by chunks."""
+    for piece in x.split(EXPERT_CHUNK):
+        gate, up = nn.functional.linear(piece, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        yield experts.act_fn(gate) * up
+
+
+def is_sparse(layer: nn.Module) -> bool:
+    return hasattr(layer.mlp, "experts")
+
+
 @torch.no_grad()
 def quantize_layer(layer: nn.Module, prefix: str, targets: list[Target], batches: list[Batch] | None,
                    recipe: Recipe, scale_dtype: torch.dtype, arch: Arch = LLAMA) -> tuple[LayerResult, list[Batch] | None]:
@@ -402,18 +511,19 @@ def quantize_layer(layer: nn.Module, prefix: str, targets: list[Target], batches
     local = {t.name.removeprefix(prefix + "."): t.module for t in targets}
     if scheme is not None and recipe.method == "gptq":
         with reuse_freed_memory():
-            qweights, batches, kv = gptq_sequential(layer, local, batches, recipe, scheme, scale_dtype, kv_strategy, arch)
-        return LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()}, kv), batches
+            qweights, batches, kv, tokens = gptq_sequential(layer, local, batches, recipe, scheme, scale_dtype, kv_strategy, arch)
+        return LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()}, kv, tokens), batches
+    tokens = None
     if scheme is None:
         qweights = {}
     elif recipe.method == "awq":
         with reuse_freed_memory():
-            qweights = quantize_awq(layer, local, batches, scheme, scale_dtype, arch)
+            qweights, tokens = quantize_awq(layer, local, batches, scheme, scale_dtype, arch)
     else:
         qweights = {n: rtn(m.weight, scheme, scale_dtype) for n, m in local.items()}
     for name, qw in qweights.items():
         local[name].weight.copy_(qw.dequantize(local[name].weight.dtype))
-    result = LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()})
+    result = LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()}, expert_tokens=tokens)
     if batches is None:
         return result, None
     with reuse_freed_memory():

@@ -125,10 +125,23 @@ def load_dequantized_model(path: Path, dtype: torch.dtype = torch.float32) -> to
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    from quantkit.arch import arch_of
+    from quantkit.models import checkpoint_parts
+
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = dense_state_dict(path, dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    arch, missing = arch_of(config.to_dict(), path), []
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():  # HF's names; a layer's as the checkpoint names them (experts)
+            layer = re.match(r"(model\.layers\.\d+)\.(.+)", key)
+            parts = checkpoint_parts(layer[2], tensor, arch) if layer else [(key, tensor)]
+            for name, part in parts:
+                name = f"{layer[1]}.{name}" if layer else name
+                if name in state:
+                    part.copy_(state.pop(name))
+                elif not (name == "lm_head.weight" and config.tie_word_embeddings):
+                    missing.append(name)
+    unexpected = list(state)
     if missing or unexpected:
         raise QuantkitError(f"checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if config.tie_word_embeddings:

@@ -5,10 +5,36 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from quantkit import QuantkitError
+from quantkit.arch import LLAMA, SHARED, Arch
 from quantkit.config import DEFAULT_GROUP_4BIT, FALLBACK_GROUPS, Recipe
+
+
+@dataclass(slots=True)
+class ExpertProj:
+    """One expert's Linear inside HF's fused expert parameters (see models.checkpoint_parts): `weight` is a view,
+    taken afresh at each use (the layer is materialized after its targets are found), so writing it writes the model."""
+
+    experts: nn.Module  # the block's `experts`, holding gate_up_proj [E, 2 * inter, hidden] and down_proj [E, hidden, inter]
+    index: int
+    which: int  # 0 gate, 1 up, 2 down
+
+    @property
+    def weight(self) -> Tensor:  # [out, in]
+        if self.which == 2:
+            return self.experts.down_proj[self.index]
+        inter = self.experts.gate_up_proj.shape[1] // 2
+        return self.experts.gate_up_proj[self.index, self.which * inter : (self.which + 1) * inter]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
 
 
 @dataclass(slots=True)
@@ -17,7 +43,7 @@ class Target:
 
     layer: int
     name: str
-    module: nn.Linear
+    module: nn.Linear | ExpertProj
 
 
 def matches(name: str, module: nn.Module, pattern: str) -> bool:
@@ -27,15 +53,26 @@ def matches(name: str, module: nn.Module, pattern: str) -> bool:
     return pattern == name or pattern == type(module).__name__
 
 
-def find_targets(layers: nn.ModuleList, prefix: str, ignore: list[str]) -> list[Target]:
-    """Every nn.Linear inside the decoder layers that no ignore pattern matches, in layer order."""
+def find_targets(layers: nn.ModuleList, prefix: str, ignore: list[str], arch: Arch = LLAMA) -> list[Target]:
+    """Every nn.Linear inside the decoder layers and every expert's Linear that no ignore pattern matches, in layer
+    order. Routers stay dense: a sparse block's `gate` (not a Linear in HF) and the shared expert's gate."""
     found = []
     for i, layer in enumerate(layers):
-        for sub, module in layer.named_modules():
-            name = f"{prefix}.{i}.{sub}"
-            if isinstance(module, nn.Linear) and not any(matches(name, module, p) for p in ignore):
-                found.append(Target(i, name, module))
+        candidates = [(f"{prefix}.{i}.{sub}", m) for sub, m in layer.named_modules()
+                      if isinstance(m, nn.Linear) and not sub.endswith(f"{SHARED}_gate")]
+        experts = getattr(layer.mlp, "experts", None)
+        if arch.moe is not None and experts is not None:
+            candidates += [(f"{prefix}.{i}.{arch.moe.expert(e, j)}", ExpertProj(experts, e, j))
+                           for e in range(experts.gate_up_proj.shape[0]) for j in range(3)]
+        found += [Target(i, name, m) for name, m in candidates if not any(matches(name, m, p) for p in ignore)]
     return found
+
+
+def routers(layers: nn.ModuleList, prefix: str, arch: Arch) -> list[str]:
+    """The sparse blocks' routers as the checkpoint names them: dense, and in `ignore` (vLLM builds them as Linears)."""
+    if arch.moe is None:
+        return []
+    return [f"{prefix}.{i}.{arch.moe.block}.gate" for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
 
 
 def resolve_group_size(recipe: Recipe, targets: list[Target]) -> str | None:

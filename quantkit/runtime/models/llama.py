@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from quantkit import QuantkitError
-from quantkit.arch import ARCHS, Arch, arch_of
+from quantkit.arch import ARCHS, SHARED, Arch, arch_of
 from quantkit.formats.load import (
     PACKED,
     packed_module,
@@ -31,6 +31,7 @@ from quantkit.runtime.layers.attention import Batch, paged_attention
 from quantkit.runtime.layers.basic import RMSNorm, Rotary, gelu_tanh_mul, rotate_heads, silu_mul
 from quantkit.runtime.layers.decoder import FusedDecoder
 from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse, to_device
+from quantkit.runtime.layers.moe import Routing, SparseMLP
 from quantkit.runtime.layers.panel_cache import PanelCache
 
 
@@ -50,9 +51,14 @@ class ModelConfig:
     windows: list[int]  # per layer: keys a query sees (0: all)
     query_scale: float  # queries times this before attention's 1 / sqrt(head_dim) (Gemma's query_pre_attn_scalar)
     final_softcap: float  # logits = cap * tanh(logits / cap) when set (0: none)
+    sparse: list[bool]  # per layer: a routed mixture-of-experts MLP (arch.MoE)
+    experts: int = 0
+    expert_inter: int = 0  # an expert's intermediate width
+    shared_inter: int = 0  # Qwen2-MoE's shared expert's (0: none)
+    routing: Routing | None = None
 
     @classmethod
-    def from_hf(cls, c: dict) -> ModelConfig:
+    def from_hf(cls, c: dict, arch: Arch) -> ModelConfig:
         heads, n = c["num_attention_heads"], c["num_hidden_layers"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         kinds = list(c.get("layer_types") or ["full_attention"] * n)
@@ -64,9 +70,13 @@ class ModelConfig:
         else:  # Mistral: one window for every layer
             windows = [window] * n
         scalar = c.get("query_pre_attn_scalar") or head_dim
+        moe = arch.moe
+        sparse = moe.layers(c) if moe else [False] * n
         return cls(c["vocab_size"], c["hidden_size"], n, heads, c.get("num_key_value_heads") or heads, head_dim,
                    c.get("rms_norm_eps", 1e-6), c.get("max_position_embeddings", 2048), bool(c.get("tie_word_embeddings", False)),
-                   c["intermediate_size"], kinds, windows, (head_dim / scalar) ** 0.5, float(c.get("final_logit_softcapping") or 0.0))
+                   c["intermediate_size"], kinds, windows, (head_dim / scalar) ** 0.5, float(c.get("final_logit_softcapping") or 0.0),
+                   sparse, *((moe.experts(c), c[moe.inter_key], c.get("shared_expert_intermediate_size") or 0,
+                              Routing(c["num_experts_per_tok"], moe.normalises(c))) if any(sparse) else ()))
 
 
 class Weights:
@@ -92,29 +102,47 @@ class Weights:
         return self.tensors.get(name)
 
 
+def _checked(w: Weights, modules: list[str], shape: tuple[int, int]) -> Tensor | QuantWeight:
+    """The Linear `modules` (fused along the output when several) as the checkpoint holds them; at odds with the
+    config.json's shape: one line naming the tensors."""
+    weight = fuse([w.linear(m) for m in modules])
+    if tuple(weight.shape) != shape:
+        raise QuantkitError(f"{' + '.join(modules)}: shape {list(weight.shape)} in the checkpoint; its config.json "
+                            f"makes it {list(shape)}")
+    return weight
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, w: Weights, i: int, cfg: ModelConfig, arch: Arch, dtype: torch.dtype, kernel: str, fused: bool,
                  cache: PanelCache):
         super().__init__()
         p = f"model.layers.{i}"
         self.index, self.cfg, self.kernel, self.fused = i, cfg, kernel, fused
-        self.kind, self.window, self.activation = cfg.kinds[i], cfg.windows[i], arch.activation
-        names = {"qkv": [f"{p}.{n}" for n in arch.qkv], "o": [f"{p}.self_attn.o_proj"],
-                 "gate_up": [f"{p}.{n}" for n in arch.gate_up], "down": [f"{p}.mlp.down_proj"]}
+        self.kind, self.window = cfg.kinds[i], cfg.windows[i]
         h, d, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        shapes = {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * cfg.intermediate_size, h),
-                  "down": (h, cfg.intermediate_size)}
-        weights = {k: fuse([w.linear(m) for m in ms]) for k, ms in names.items()}
-        for k, weight in weights.items():  # a checkpoint at odds with its config: one line naming the tensors
-            if tuple(weight.shape) != shapes[k]:
-                raise QuantkitError(f"{' + '.join(names[k])}: shape {list(weight.shape)} in the checkpoint; its config.json "
-                                    f"makes it {list(shapes[k])}")
-        biases = [w.get(f"{m}.bias") for m in names["qkv"]]
-        self.qkv = Linear(weights["qkv"], torch.cat(biases) if all(b is not None for b in biases) else None, dtype, kernel,
-                          fused, cache=cache, name=f"{p}.qkv")
-        self.o = Linear(weights["o"], w.get(f"{p}.self_attn.o_proj.bias"), dtype, kernel, fused, cache=cache, name=f"{p}.o")
-        self.gate_up = Linear(weights["gate_up"], None, dtype, kernel, fused, cache=cache, name=f"{p}.gate_up")
-        self.down = Linear(weights["down"], None, dtype, kernel, fused, cache=cache, name=f"{p}.down")
+        linear = lambda names, shape, tag, bias=None: Linear(_checked(w, [f"{p}.{n}" for n in names], shape), bias, dtype,
+                                                              kernel, fused, cache=cache, name=f"{p}.{tag}")
+        biases = [w.get(f"{p}.{m}.bias") for m in arch.qkv]
+        self.qkv = linear(arch.qkv, ((heads + 2 * kv) * d, h), "qkv", torch.cat(biases) if all(b is not None for b in biases) else None)
+        self.o = linear(["self_attn.o_proj"], (h, heads * d), "o", w.get(f"{p}.self_attn.o_proj.bias"))
+        act = (lambda x: silu_mul(x, fused)) if arch.activation == "silu" else gelu_tanh_mul
+        self.moe = None
+        if cfg.sparse[i]:  # experts (gate and up fused), the router and Qwen2-MoE's shared expert, from the family's names
+            moe, inter = arch.moe, cfg.expert_inter
+            experts = [(linear([moe.expert(e, 0), moe.expert(e, 1)], (2 * inter, h), f"experts.{e}.gate_up"),
+                        linear([moe.expert(e, 2)], (h, inter), f"experts.{e}.down")) for e in range(cfg.experts)]
+            router = Linear(_checked(w, [f"{p}.{moe.block}.gate"], (cfg.experts, h)), None, dtype, "dense")
+            shared = None
+            if cfg.shared_inter:
+                s = cfg.shared_inter
+                shared = (linear([f"{SHARED}.gate_proj", f"{SHARED}.up_proj"], (2 * s, h), "shared.gate_up"),
+                          linear([f"{SHARED}.down_proj"], (h, s), "shared.down"),
+                          Linear(_checked(w, [f"{p}.{SHARED}_gate"], (1, h)), None, dtype, "dense"))
+            self.moe = SparseMLP(router, experts, cfg.routing, act, shared)
+        else:
+            self.gate_up = linear(arch.gate_up, (2 * cfg.intermediate_size, h), "gate_up")
+            self.down = linear(["mlp.down_proj"], (h, cfg.intermediate_size), "down")
+        self.act = act
         norm = lambda name: RMSNorm(w.tensor(f"{p}.{name}.weight"), cfg.rms_norm_eps, dtype, fused, arch.norm_offset)
         self.input_norm, self.post_norm = norm("input_layernorm"), norm(arch.mlp_norm)  # post_norm: the MLP's input norm
         self.attn_out_norm = norm(arch.attn_out_norm) if arch.attn_out_norm else None
@@ -143,8 +171,7 @@ class DecoderLayer(nn.Module):
         else:
             x = x + self.attn_out_norm(o)
             h = self.post_norm(x)
-        gate_up = self.gate_up(h)
-        m = self.down(silu_mul(gate_up, self.fused) if self.activation == "silu" else gelu_tanh_mul(gate_up))
+        m = self.moe(h) if self.moe is not None else self.down(self.act(self.gate_up(h)))
         return x + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
 
 
@@ -159,7 +186,7 @@ class LlamaModel(nn.Module):
             raise QuantkitError(f"the runtime runs {classes}; {path} is {hf.get('architectures')}")
         if hf.get("attn_logit_softcapping"):
             raise QuantkitError(f"{path}: attention logit soft-capping (Gemma 2) is not supported by the runtime")
-        self.cfg = cfg = ModelConfig.from_hf(hf)
+        self.cfg = cfg = ModelConfig.from_hf(hf, arch)
         self.arch = arch
         self.dtype = dtype
         # the fused CPU ops serve the CPU kernels; "reference" stays pure PyTorch (the oracle), the GPU has Triton.
