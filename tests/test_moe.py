@@ -191,3 +191,26 @@ def test_routing_follows_each_family(tmp_path):
         assert cfg.sparse == [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
         assert cfg.routing.normalise == {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True}[family]
         assert cfg.experts == 8 and cfg.routing.top_k == 2
+
+
+def test_a_quantized_moe_serves_chat_and_evaluates(tiny_moe, words, tmp_path, capsys):
+    """The serve and eval paths, unchanged: chat through the official client on a loopback port, greedy as the engine;
+    `quantkit eval` against the dense baseline."""
+    from conftest import Server
+
+    family, path = tiny_moe
+    if family != "qwen2_moe":
+        pytest.skip("one family suffices: the paths are the family-blind runtime's")
+    out = tmp_path / "q"
+    quantize(capsys, path, out, words, "--bits", "4", "-g", "32", "--method", "gptq")
+    server = Server(out, "--dtype", "fp32", "--kv-cache-memory", "0.05")
+    try:
+        reply = server.client().chat.completions.create(model="q", messages=[{"role": "user", "content": "w5 w9 w12"}],
+                                                        max_tokens=8, temperature=0)
+    finally:
+        server.stop()
+    assert reply.usage.completion_tokens == 8 and reply.choices[0].message.content
+    code, stdout, err = run_cli(capsys, "eval", str(out), "--tasks", "ppl,kl", "--json", "--out", str(tmp_path / "eval"))
+    assert code == 0, err
+    verdicts = {r["task"]: r for r in json.loads(stdout)["summary"]}
+    assert verdicts["kl"]["n"] > 0 and verdicts["kl"]["diff"] > 0  # a quantized model differs, measurably
