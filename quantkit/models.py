@@ -242,6 +242,8 @@ def open_tokenizer(path: Path):
     for work that saves it or hands it to transformers."""
     from quantkit.tokenizer import plain
 
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+        raise QuantkitError(f"no tokenizer in {path}")  # (transformers 5 would make an empty one, which encodes nothing)
     with _quiet_transformers():
         if plain(path):  # AutoTokenizer's tokenizer without its seconds of importing model configs
             from transformers import PreTrainedTokenizerFast
