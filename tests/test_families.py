@@ -113,7 +113,7 @@ def test_awq_folds_its_scales_without_changing_the_float_layer(which, tiny_gemma
             before = [layer(b.hidden, **b.kwargs) for b in batches]
             local = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
             weights = [layer.get_submodule(n).weight.clone() for n in folded_into]
-            quantize_awq(layer, local, batches, Scheme(bits=4, group_size=32), torch.float32, arch)
+            quantize_awq(layer, local, batches, dict.fromkeys(local, Scheme(bits=4, group_size=32)), torch.float32, arch)
             after = [layer(b.hidden, **b.kwargs) for b in batches]
         for n, w in zip(folded_into, weights):
             assert not torch.equal(w, layer.get_submodule(n).weight), n  # a scale was folded there

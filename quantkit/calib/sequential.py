@@ -193,7 +193,7 @@ def split_rows(qw: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
 
 
 @torch.no_grad()
-def quantize_awq(layer, local: dict, batches, scheme: Scheme, dtype, arch: Arch) -> tuple[dict[str, QuantizedWeight], list[int] | None]:
+def quantize_awq(layer, local: dict, batches, schemes: dict[str, Scheme], dtype, arch: Arch) -> tuple[dict[str, QuantizedWeight], list[int] | None]:
     """Scale search and folding per mapping, then a clipping search per Linear, then RTN; a sparse block's experts
     by `_awq_experts`. Returns the quantized weights and a sparse layer's tokens per expert."""
     linears = {n: m for n, m in local.items() if isinstance(m, nn.Module)}
@@ -207,7 +207,7 @@ def quantize_awq(layer, local: dict, batches, scheme: Scheme, dtype, arch: Arch)
         feeding = _feeding_rows(prev, m.prev, balance[0].in_features) if isinstance(prev, nn.Linear) else None
         if isinstance(prev, nn.Linear) and feeding is None:
             continue  # v->o under grouped-query attention: v is narrower than o's input
-        s, _ = awq.search_scale(x_of[m.balance[0]], [b.weight for b in balance], scheme, dtype)
+        s, _ = awq.search_scale(x_of[m.balance[0]], [b.weight for b in balance], schemes[m.balance[0]], dtype)
         for b in balance:
             b.weight.mul_(s.to(b.weight.dtype))
         if isinstance(prev, nn.Linear):  # the output rows that feed the balance Linears, bias included (Qwen's v_proj)
@@ -218,8 +218,8 @@ def quantize_awq(layer, local: dict, batches, scheme: Scheme, dtype, arch: Arch)
             w = prev.weight.float()
             prev.weight.copy_((arch.norm_offset + w) / s.float() - arch.norm_offset)
     rows = collect(layer, linears, batches, _rows)  # inputs as the scaled layer now sees them
-    out = {name: _clipped(name, module, rows.stats[rows.owner[name]], scheme, dtype) for name, module in linears.items()}
-    tokens = _awq_experts(layer, local, batches, scheme, dtype, arch.moe, out) if is_sparse(layer) else None
+    out = {name: _clipped(name, module, rows.stats[rows.owner[name]], schemes[name], dtype) for name, module in linears.items()}
+    tokens = _awq_experts(layer, local, batches, schemes, dtype, arch.moe, out) if is_sparse(layer) else None
     return out, tokens
 
 
@@ -232,7 +232,7 @@ def _clipped(name: str, module, x: Tensor, scheme: Scheme, dtype) -> QuantizedWe
 
 
 @torch.no_grad()
-def _awq_experts(layer, local: dict, batches, scheme: Scheme, dtype, moe: MoE, out: dict) -> list[int]:
+def _awq_experts(layer, local: dict, batches, schemes: dict[str, Scheme], dtype, moe: MoE, out: dict) -> list[int]:
     """Each expert on the tokens routed to it: its up -> down scales, then clipping. The norm before the block feeds
     every expert and the router, so no scale is folded into it (one scale would have to suit them all)."""
     mlp = layer.mlp
@@ -244,13 +244,13 @@ def _awq_experts(layer, local: dict, batches, scheme: Scheme, dtype, moe: MoE, o
         mid = torch.cat(list(expert_mid(mlp.experts, e, x.to(mlp.experts.gate_up_proj.dtype)))).float()
         if all(name in local for name in names):
             up, down = local[names[1]], local[names[2]]
-            s, _ = awq.search_scale(mid, [down.weight], scheme, dtype)
+            s, _ = awq.search_scale(mid, [down.weight], schemes[names[2]], dtype)
             down.weight.mul_(s.to(down.weight.dtype))
             up.weight.div_(s.to(up.weight.dtype).unsqueeze(1))
             mid = mid / s
         for name, xin in zip(names, (x, x, mid)):
             if name in local:
-                out[name] = _clipped(name, local[name], xin, scheme, dtype)
+                out[name] = _clipped(name, local[name], xin, schemes[name], dtype)
     return r.counts(n)
 
 
@@ -329,7 +329,7 @@ def propagate(layer: nn.Module, batches: list[Batch], kv_strategy: str | None) -
 
 @torch.no_grad()
 def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list[Batch], recipe: Recipe,
-                    scheme: Scheme, dtype: torch.dtype, kv_strategy: str | None, arch: Arch):
+                    schemes: dict[str, Scheme], dtype: torch.dtype, kv_strategy: str | None, arch: Arch):
     """GPTQ over one Llama-family layer. True sequential (the default): q/k/v, then o, gate/up and down, each
     from the outputs of the sublayers quantized before it. Otherwise (`recipe.true_sequential` False, as
     llm-compressor does) every Hessian comes from one pass of the dense layer and all are solved after it.
@@ -359,7 +359,8 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
         if not names:
             return
         weights = [local[n].weight for n in names]
-        stacked = gptq(torch.cat(weights), fill_lower(h), scheme, dtype, cfg, overwrite_h=True)
+        stacked = gptq(torch.cat(weights), fill_lower(h), schemes[names[0]], dtype, cfg, overwrite_h=True)  # (one scheme a
+        # solve: q/k/v and gate/up are budgeted as units, as the engines that fuse them need)
         for n, qw in zip(names, split_rows(stacked, [w.shape[0] for w in weights])):
             local[n].weight.copy_(qw.dequantize(local[n].weight.dtype))
             qweights[n] = qw
@@ -506,21 +507,21 @@ def quantize_layer(layer: nn.Module, prefix: str, targets: list[Target], batches
     a consumer dequantizes to) and return the quantized weights plus the next layer's inputs."""
     for b in batches or ():
         b.to_layer(layer)
-    scheme = recipe.scheme()
     kv_strategy = recipe.kv_strategy if recipe.kv_cache else None
     local = {t.name.removeprefix(prefix + "."): t.module for t in targets}
-    if scheme is not None and recipe.method == "gptq":
+    schemes = {t.name.removeprefix(prefix + "."): t.scheme or recipe.scheme() for t in targets}  # (a budget's mix, or one)
+    if local and recipe.method == "gptq":
         with reuse_freed_memory():
-            qweights, batches, kv, tokens = gptq_sequential(layer, local, batches, recipe, scheme, scale_dtype, kv_strategy, arch)
+            qweights, batches, kv, tokens = gptq_sequential(layer, local, batches, recipe, schemes, scale_dtype, kv_strategy, arch)
         return LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()}, kv, tokens), batches
     tokens = None
-    if scheme is None:
+    if not local:
         qweights = {}
     elif recipe.method == "awq":
         with reuse_freed_memory():
-            qweights, tokens = quantize_awq(layer, local, batches, scheme, scale_dtype, arch)
+            qweights, tokens = quantize_awq(layer, local, batches, schemes, scale_dtype, arch)
     else:
-        qweights = {n: rtn(m.weight, scheme, scale_dtype) for n, m in local.items()}
+        qweights = {n: rtn(m.weight, schemes[n], scale_dtype) for n, m in local.items()}
     for name, qw in qweights.items():
         local[name].weight.copy_(qw.dequantize(local[name].weight.dtype))
     result = LayerResult({f"{prefix}.{n}": qw for n, qw in qweights.items()}, expert_tokens=tokens)

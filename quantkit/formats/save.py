@@ -66,16 +66,21 @@ def kv_cache_args(strategy: str) -> dict[str, Any]:
 
 
 def quantization_config(
-    scheme: Scheme | None, ignore: list[str], kv_strategy: str | None = None, actorder: str | None = None
+    scheme: Scheme | None, ignore: list[str], kv_strategy: str | None = None, actorder: str | None = None,
+    mix: dict[str, Scheme] | None = None,
 ) -> dict[str, Any]:
-    """config.json `quantization_config`: integer weights on Linear layers (scheme None: weights dense)
-    and, with `kv_strategy`, a static FP8 KV cache."""
+    """config.json `quantization_config`: integer weights on Linear layers (scheme None: weights dense) and, with
+    `kv_strategy`, a static FP8 KV cache. `mix` (module name -> scheme, a budget's choice): one config group per
+    scheme, its `targets` the exact module names, instead of one group on every Linear."""
+    targets = {scheme: ["Linear"]} if scheme is not None and mix is None else {}
+    for name, s in sorted((mix or {}).items()):
+        targets.setdefault(s, []).append(name)
     groups = {}
-    if scheme is not None:
-        weights = weights_args(scheme)
+    for i, (s, names) in enumerate(sorted(targets.items(), key=lambda kv: (kv[0].bits, kv[0].group_size or 1 << 30))):
+        weights = weights_args(s)
         weights["actorder"] = actorder
-        groups["group_0"] = {
-            "targets": ["Linear"],
+        groups[f"group_{i}"] = {
+            "targets": names,
             "weights": weights,
             "input_activations": None,
             "output_activations": None,

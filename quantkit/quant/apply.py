@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from quantkit import QuantkitError
 from quantkit.arch import LLAMA, SHARED, Arch
-from quantkit.config import DEFAULT_GROUP_4BIT, FALLBACK_GROUPS, Recipe
+from quantkit.config import DEFAULT_GROUP_4BIT, FALLBACK_GROUPS, Recipe, Scheme
 
 
 @dataclass(slots=True)
@@ -44,6 +44,7 @@ class Target:
     layer: int
     name: str
     module: nn.Linear | ExpertProj
+    scheme: Scheme | None = None  # this Linear's own scheme (a budget's mix); None: the recipe's
 
 
 def matches(name: str, module: nn.Module, pattern: str) -> bool:
