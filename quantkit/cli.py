@@ -35,7 +35,8 @@ QUIET = typer.Option(False, "--quiet", "-q", help="No progress and no summary ta
 
 @app.command(
     epilog="Examples: quantkit quantize smollm2-135m --bits 4 -o smollm2-w4  |  "
-    "quantkit quantize smollm2-135m --method gptq -g 64 --kv-cache fp8 -o smollm2-gptq",
+    "quantkit quantize smollm2-135m --method gptq -g 64 --kv-cache fp8 -o smollm2-gptq  |  "
+    "quantkit quantize smollm2-135m --budget kl=0.05 --method gptq -o smollm2-kl05",
 )
 def quantize(
     model: str = typer.Argument(..., help="Local HF directory, hub id (org/name), .gguf file, or smollm2-135m."),
@@ -54,6 +55,13 @@ def quantize(
     true_sequential: bool | None = typer.Option(
         None, "--true-sequential/--no-true-sequential",
         help="GPTQ: each sublayer's Hessian from the quantized ones before it, or all from the dense layer.  [default: true]"),
+    budget: str | None = typer.Option(
+        None, "--budget", help="Choose each layer's precision to meet kl=NATS (mean KL on held-out text, proven), "
+        "bits=AVERAGE (bits per Linear weight) or size=BYTES (checkpoint, e.g. 800MB)."),
+    choices: str | None = typer.Option(
+        None, "--choices", help="With --budget: the precisions a unit may take, e.g. w4g128,w4g64,w8,dense.  "
+        "[default: 4-bit at the model's group and half it, w8, dense]"),
+    heldout: str = typer.Option("builtin", "--heldout", help="With --budget kl=: the held-out text the KL is proven on."),
     calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin, a .txt/.jsonl/.parquet file, or a hub dataset."),
     calib_samples: int = typer.Option(128, "--calib-samples", help="Calibration rows."),
     calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per calibration row."),
@@ -83,11 +91,43 @@ def quantize(
                  "true_sequential": true_sequential}
     spec = build_recipe(recipe, overrides, ignore)
     calib_cfg = CalibConfig(calib, calib_samples, calib_seqlen, seed, calib_split, calib_column, chat_template)
+    if budget is not None or choices is not None:
+        from quantkit.budget.plan import parse_budget
+        from quantkit.budget.run import run_budgeted
+
+        if budget is None:
+            raise QuantkitError("--choices needs --budget (kl=, bits= or size=)")
+        report = run_budgeted(model, out, spec, parse_budget(budget), choices, parse_size(max_shard_size), force,
+                              Reporter(quiet or as_json), calib_cfg, device, heldout)
+        if as_json:
+            print(json.dumps(report.to_dict(), indent=2, default=vars))
+        elif not quiet:
+            _budget_table(report)
+        return
     result = run_quantize(model, out, spec, parse_size(max_shard_size), force, Reporter(quiet or as_json), calib_cfg, device)
     if as_json:
         print(json.dumps(result.summary(), indent=2))
     elif not quiet:
         _quantize_table(result)
+
+
+def _budget_table(report) -> None:
+    table = Table(title=f"{report.quantize['out']}: budget {report.budget} ({report.method})", title_justify="left")
+    for col in ("unit", *report.choices, "choice"):
+        table.add_column(col, justify="left" if col in ("unit", "choice") else "right")
+    for u in report.units:
+        table.add_row(u["name"].removeprefix("model.layers."),
+                      *(f"{u['sensitivity'][c]:.5f}" if c in u["sensitivity"] else "-" for c in report.choices), u["choice"])
+    stdout.print(table)
+    stdout.print("predicted mean KL added per unit, nats / token (one unit quantized at a time)")
+    summary = Table(show_header=False)
+    for i, r in enumerate(report.rounds):
+        summary.add_row(f"round {i + 1}", f"{', '.join(f'{n} {c}' for c, n in sorted(r.counts.items()))}: predicted "
+                        f"{r.predicted_kl:.4f}, measured {r.measured_kl:.4f}")
+    summary.add_row("size", f"{human_bytes(report.checkpoint_bytes)} checkpoint; Linear weights {human_bytes(report.linear_bytes)}, "
+                    f"{report.average_bits:.2f} bits a weight on average")
+    summary.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in report.timings_s.items()))
+    stdout.print(summary)
 
 
 def _quantize_table(result) -> None:

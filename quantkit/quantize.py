@@ -28,7 +28,7 @@ from quantkit.calib.sequential import (
     first_layer_inputs,
     quantize_layer,
 )
-from quantkit.config import Recipe
+from quantkit.config import Recipe, Scheme
 from quantkit.formats.load import SafetensorsSource
 from quantkit.formats.save import (
     ShardWriter,
@@ -198,7 +198,10 @@ def run_quantize(
     ui: Reporter,
     calib: CalibConfig | None = None,
     device: str = "auto",
+    mix: dict[str, Scheme] | None = None,
 ) -> QuantizeResult:
+    """`mix`: module name -> scheme for each Linear to quantize (a budget's choice; the others stay dense); None: the
+    recipe's scheme on every Linear."""
     calib = calib or CalibConfig()
     return_freed_memory()
     timings: dict[str, float] = {}
@@ -224,8 +227,10 @@ def run_quantize(
     if tokenizer is None:
         notes.append(f"no tokenizer in {resolved.path}; the checkpoint will have none")
     layers = decoder_layers(model)
-    targets = find_targets(layers, "model.layers", recipe.ignore, arch) if recipe.scheme() else []
-    if note := resolve_group_size(recipe, targets):
+    targets = find_targets(layers, "model.layers", recipe.ignore, arch) if recipe.scheme() or mix else []
+    if mix is not None:
+        targets = [Target(t.layer, t.name, t.module, mix[t.name]) for t in targets if t.name in mix]
+    elif note := resolve_group_size(recipe, targets):
         notes.append(note)
         ui.note(note)
     batches, calibration = calibration_batches(model, layers, recipe, calib, tokenizer, device, notes, ui)
@@ -249,7 +254,7 @@ def run_quantize(
         for key in model.state_dict():  # embeddings, final norm, untied lm_head: dense, from the source
             if not key.startswith("model.layers.") and not (key == "lm_head.weight" and config.get("tie_word_embeddings")):
                 writer.add(key, source.get(key).to(dtype))
-        label = f"quantizing ({recipe.method}" + (f", int{recipe.bits})" if recipe.scheme() else ")")
+        label = f"quantizing ({recipe.method}" + (", a mix)" if mix else f", int{recipe.bits})" if recipe.scheme() else ")")
         with ui.bar(label, len(layers)) as advance:
             for i, layer, result in walk(
                 layers, by_layer(targets, len(layers)), batches, recipe, dtype, arch,
@@ -271,7 +276,7 @@ def run_quantize(
             kv = recipe.kv_strategy if recipe.kv_cache else None
             actorder = recipe.actorder if recipe.method == "gptq" else None
             ignore = dense_ignore(model, recipe.ignore, quantized) + routers(layers, "model.layers", arch)
-            qconfig = quantization_config(recipe.scheme(), ignore, kv, actorder)
+            qconfig = quantization_config(recipe.scheme(), ignore, kv, actorder, mix)
             write_metadata(tmp, model.config, _generation_config(resolved.path), tokenizer, qconfig, dtype)
             timings["save"] = round(time.perf_counter() - start, 3)
             write_manifest(tmp, {

@@ -15,8 +15,8 @@ def fmt(row: dict, key: str) -> str:
         return "-"
     if row["task"] == "ppl" and key in ("baseline", "quantized"):
         return f"{v:.3f}"
-    if row["task"] == "kl":
-        return f"{v:.4f}"
+    if row["task"] in ("kl", "budget"):
+        return f"{v:+.4f}" if key == "diff" else f"{v:.4f}"
     return f"{v:+.1%}" if key == "diff" else f"{v:.1%}"
 
 

@@ -104,6 +104,22 @@ def run_distribution(base, quant, cfg: EvalConfig, report: EvalReport, ui: Repor
     report.summary.append({"task": "kl", "baseline": 0.0, "quantized": d.kl_mean, "diff": d.kl_mean, "ci": None,
                            "verdict": verdict, "n": d.tokens,
                            "note": f"median {d.kl_median:.4f}, p99 {d.kl_p99:.4f}, top-1 agreement {d.top1_agreement:.1%}"})
+    if (budget := _kl_budget(quant.path)) is not None:  # a checkpoint quantized to a KL budget: was it kept?
+        kept = d.kl_mean <= budget
+        report.summary.append({"task": "budget", "baseline": budget, "quantized": d.kl_mean, "diff": d.kl_mean - budget,
+                               "ci": None, "verdict": "met" if kept else "over budget", "n": d.tokens,
+                               "note": f"kl={budget:g}, as quantized"
+                                       + ("" if cfg.text == BUILTIN and not cfg.limit else " (other held-out rows than it was proven on)")})
+
+
+def _kl_budget(path: Path) -> float | None:
+    """The `--budget kl=` a checkpoint was quantized to, from its quantkit.json."""
+    try:
+        budget = json.loads((Path(path) / "quantkit.json").read_text()).get("budget") or {}
+    except (OSError, ValueError):
+        return None
+    text = str(budget.get("budget", ""))
+    return float(text.removeprefix("kl=")) if text.startswith("kl=") else None
 
 
 def _run_pair(base, quant, prompts: list[str], max_new: int, label: str, ui: Reporter,

@@ -1,0 +1,173 @@
+"""`quantkit quantize MODEL --budget ...`: measure each unit's sensitivity, choose the cheapest mix that meets the
+budget, quantize it, and prove it on held-out rows; when the measured KL is over a KL budget, tighten the target by
+the measured / predicted ratio and quantize again (at most MAX_ROUNDS rounds, each reported). Only a mix that met
+its budget is written to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit import QuantkitError
+from quantkit.budget.plan import Budget, Choice, Plan, Unit, choose, parse_choices, unit_bytes, units_of
+from quantkit.budget.sensitivity import sensitivities
+from quantkit.calib.data import BUILTIN, CalibConfig, build, eval_rows
+from quantkit.config import Recipe
+from quantkit.formats.save import MANIFEST_NAME, atomic_dir, check_output
+from quantkit.ui import Reporter
+
+MAX_ROUNDS = 4
+SENSITIVITY_ROWS = 16  # calibration rows the sensitivity pass reads (of --calib-samples)
+HELDOUT_ROWS, HELDOUT_SEQLEN = 16, 512  # as `quantkit eval`'s KL, so that eval re-measures the same number
+
+
+@dataclass(slots=True)
+class Round:
+    predicted_kl: float
+    measured_kl: float
+    bytes: int
+    target_kl: float | None
+    counts: dict[str, int]  # choice label -> units
+
+
+@dataclass(slots=True)
+class BudgetReport:
+    budget: str
+    method: str
+    choices: list[str]
+    units: list[dict[str, Any]]  # name, sensitivity {label: predicted KL}, bytes {label: n}, choice
+    rounds: list[Round]
+    met: bool
+    predicted_kl: float
+    measured_kl: float
+    checkpoint_bytes: int
+    linear_bytes: int
+    average_bits: float  # over the decoder Linears' weights, scales and zero points included
+    timings_s: dict[str, float] = field(default_factory=dict)
+    quantize: dict[str, Any] = field(default_factory=dict)  # the final round's `quantize --json` summary
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_text: str | None, max_shard_bytes: int,
+                 force: bool, ui: Reporter, calib: CalibConfig, device: str = "auto", heldout: str = BUILTIN) -> BudgetReport:
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.arch import arch_of
+    from quantkit.eval.backends import RuntimeBackend
+    from quantkit.eval.kl import distribution
+    from quantkit.models import DTYPES, decoder_layers, load_tokenizer, read_config, resolve, source_dtype
+    from quantkit.quantize import run_quantize
+
+    check_output(out, force)
+    if choices_text:
+        parse_choices(choices_text, [], recipe.symmetric)  # an unknown choice fails before any slow work
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    with ui.step(f"resolving {spec}"):
+        resolved = resolve(spec, status=ui.note)
+    config = read_config(resolved.path)
+    arch = arch_of(config, resolved.path)
+    recipe.dtype = recipe.dtype or source_dtype(config)
+    tokenizer = load_tokenizer(resolved.path)
+    if tokenizer is None:
+        raise QuantkitError(f"--budget needs the model's tokenizer (for calibration and held-out rows); {resolved.path} has none")
+    heldout_rows = eval_rows(tokenizer, HELDOUT_SEQLEN, HELDOUT_ROWS, heldout)  # fails early on too little text
+    with ui.step("loading the dense model for the sensitivity pass"):
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval()
+    units = units_of(decoder_layers(model), "model.layers", arch)
+    choices = parse_choices(choices_text, units, recipe.symmetric)
+    calib_rows = build(calib, tokenizer).ids[:SENSITIVITY_ROWS]
+    timings["load"] = round(time.perf_counter() - start, 2)
+
+    start = time.perf_counter()
+    with ui.bar(f"sensitivity of {len(units)} units x {len(choices)} choices", -(-len(calib_rows) // 2)) as advance:
+        sens = sensitivities(model, units, choices, calib_rows, DTYPES[recipe.dtype], on_batch=advance)
+    dtype_bytes = torch.empty((), dtype=DTYPES[recipe.dtype]).element_size()
+    options = {u.name: {label: (unit_bytes(u, next(c for c in choices if c.label == label), dtype_bytes), kl)
+                        for label, kl in sens[u.name].items()} for u in units}
+    unit_params = sum(o * i for u in units for o, i in u.shapes)
+    fixed_bytes = (sum(p.numel() for p in model.parameters()) - unit_params
+                   - (model.lm_head.weight.numel() if config.get("tie_word_embeddings") else 0)) * dtype_bytes
+    del model
+    timings["sensitivity"] = round(time.perf_counter() - start, 2)
+
+    kl_limit = budget.value if budget.kind == "kl" else None
+    byte_limit = {"kl": None, "bits": budget.value * unit_params / 8, "size": budget.value - fixed_bytes}[budget.kind]
+    if byte_limit is not None and byte_limit <= 0:
+        raise QuantkitError(f"the budget cannot be met: {budget} leaves nothing for the Linear weights "
+                            f"(the embeddings, norms and head alone are {fixed_bytes / 1e6:.1f} MB)")
+    plan = choose(units, options, choices, kl_limit, byte_limit)  # raises, naming what would be needed, before any quantization
+
+    baseline = RuntimeBackend(resolved.path, "baseline")
+    rounds: list[Round] = []
+    previous: dict[str, Choice] | None = None
+    best: Path | None = None
+    summary: dict[str, Any] = {}
+    try:
+        for r in range(MAX_ROUNDS):
+            if previous is not None:  # over a KL budget: aim lower by the measured / predicted ratio
+                kl_limit = budget.value * rounds[-1].predicted_kl / max(rounds[-1].measured_kl, 1e-12)
+                plan = choose(units, options, choices, kl_limit, None)
+                if plan.mix == previous:  # the ratio moved nothing: take the next upgrades
+                    kl_limit = plan.predicted_kl * 0.7
+                    plan = choose(units, options, choices, kl_limit, None)
+            candidate = out.with_name(f".{out.name}.budget-{r}")
+            shutil.rmtree(candidate, ignore_errors=True)
+            t0 = time.perf_counter()
+            ui.note(f"round {r + 1}: {_counts_text(plan, units)}; predicted mean KL {plan.predicted_kl:.4f}")
+            result = run_quantize(spec, candidate, recipe, max_shard_bytes, True, ui, calib, device, mix=plan.schemes(units))
+            timings[f"round {r + 1} quantize"] = round(time.perf_counter() - t0, 2)
+            t0 = time.perf_counter()
+            with ui.bar(f"round {r + 1}: mean KL on {len(heldout_rows)} held-out rows", len(heldout_rows)) as advance:
+                measured = distribution(baseline, RuntimeBackend(candidate, "quantized"), heldout_rows, on_row=advance).kl_mean
+            timings[f"round {r + 1} measure"] = round(time.perf_counter() - t0, 2)
+            rounds.append(Round(plan.predicted_kl, measured, plan.bytes, kl_limit, _counts(plan)))
+            ui.note(f"round {r + 1}: measured mean KL {measured:.4f} (predicted {plan.predicted_kl:.4f})")
+            if best is not None:
+                shutil.rmtree(best, ignore_errors=True)
+            best, summary, previous = candidate, result.summary(), plan.mix
+            if budget.kind != "kl" or measured <= budget.value:
+                break
+        met = budget.kind != "kl" or rounds[-1].measured_kl <= budget.value
+        if not met:
+            raise QuantkitError(f"budget {budget} not met after {MAX_ROUNDS} rounds (last measured mean KL "
+                                f"{rounds[-1].measured_kl:.4f}); nothing was written: allow a larger choice or a looser budget")
+        report = BudgetReport(
+            str(budget), recipe.method, [c.label for c in choices],
+            [{"name": u.name, "sensitivity": sens[u.name], "bytes": {k: v[0] for k, v in options[u.name].items()},
+              "choice": plan.mix[u.name].label} for u in units],
+            rounds, met, plan.predicted_kl, rounds[-1].measured_kl, summary["out_bytes"], plan.bytes,
+            8 * plan.bytes / unit_params, timings, summary)
+        with atomic_dir(out, force) as dest:
+            for f in best.iterdir():
+                f.rename(dest / f.name)
+            manifest = json.loads((dest / MANIFEST_NAME).read_text())
+            manifest["budget"] = {k: v for k, v in report.to_dict().items() if k != "quantize"}
+            (dest / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        report.quantize["out"] = str(out)
+        return report
+    finally:
+        for r in range(MAX_ROUNDS):
+            shutil.rmtree(out.with_name(f".{out.name}.budget-{r}"), ignore_errors=True)
+
+
+def _counts(plan: Plan) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for c in plan.mix.values():
+        counts[c.label] = counts.get(c.label, 0) + 1
+    return counts
+
+
+def _counts_text(plan: Plan, units: list[Unit]) -> str:
+    return ", ".join(f"{n} {label}" for label, n in sorted(_counts(plan).items())) + f" of {len(units)} units"

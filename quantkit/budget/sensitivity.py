@@ -1,0 +1,81 @@
+"""How much mean KL each unit adds at each precision, predicted from one forward and one backward pass per batch.
+
+For a small change δ in the logits, KL(p || p + δ) ≈ ½ δᵀ F δ, with F the Fisher information of the model's own
+output distribution. Pulled back to a Linear's output y, F is E[g gᵀ] for g = ∂(−log p(t)) / ∂y with the token t
+drawn from the model itself; quantizing the Linear changes y by Δy = x (Q(W) − W)ᵀ. So the KL a unit adds is
+predicted as ½ Σ g² Δy² over its Linears' outputs and the tokens (F's diagonal, one drawn token per position), divided
+by the tokens. The stated approximations: F's diagonal only; units add (the KL of a mix is the sum of its units');
+Q is round-to-nearest (GPTQ and AWQ lose less, so a mix quantized with them comes in under its prediction).
+
+Cost: per calibration batch one forward and one backward of the dense model (about three forwards) plus, per
+choice, one GEMM per Linear (a forward's worth); the model is held whole, in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from quantkit.budget.plan import Choice, Unit, fits
+from quantkit.quant.rtn import rtn
+
+
+def weight_errors(module: nn.Linear, choices: list[Choice], unit: Unit, scale_dtype: torch.dtype) -> dict[str, Tensor]:
+    """Q(W) − W [out, in] per quantized choice that fits the unit (round-to-nearest, as the checkpoint would round)."""
+    w = module.weight.detach().float()
+    return {c.label: rtn(w, c.scheme, scale_dtype).dequantize(torch.float32) - w
+            for c in choices if c.scheme is not None and fits(c, unit)}
+
+
+@torch.no_grad()
+def _accumulate(acc: dict[str, Tensor], x: Tensor, g: Tensor, errors: dict[str, Tensor]) -> None:
+    x, g2 = x.reshape(-1, x.shape[-1]).float(), g.reshape(-1, g.shape[-1]).float().pow(2)
+    for label, dw in errors.items():
+        acc[label] += (g2 * (x @ dw.t()).pow(2)).sum()
+
+
+def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], rows: Tensor, scale_dtype: torch.dtype,
+                  batch: int = 2, seed: int = 0, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
+    """{unit name: {choice label: predicted mean KL (nats / token)}} over `rows` [n, seq] of calibration token ids.
+    Dense is 0; a choice whose group does not divide a unit's widths is left out for that unit."""
+    modules = {m: model.get_submodule(m) for u in units for m in u.modules}
+    unit_of = {m: u for u in units for m in u.modules}
+    errors = {m: weight_errors(mod, choices, unit_of[m], scale_dtype) for m, mod in modules.items()}
+    acc = {m: {label: torch.zeros((), dtype=torch.float64) for label in errors[m]} for m in modules}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    saved: dict[str, Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            saved[name] = args[0].detach()
+            out.register_hook(lambda g: _accumulate(acc[name], saved.pop(name), g, errors[name]))
+        return hook
+
+    embed = model.get_input_embeddings()
+    handles = [mod.register_forward_hook(keep(m)) for m, mod in modules.items()]
+    handles.append(embed.register_forward_hook(lambda module, args, out: out.requires_grad_()))
+    gen = torch.Generator().manual_seed(seed)
+    tokens = 0
+    try:
+        for chunk in rows.split(batch):
+            logits = model(input_ids=chunk, use_cache=False).logits.float()  # [b, seq, vocab]
+            with torch.no_grad():
+                drawn = torch.multinomial(torch.softmax(logits.detach().reshape(-1, logits.shape[-1]), -1), 1, generator=gen)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), drawn.squeeze(1), reduction="sum")
+            loss.backward()
+            tokens += chunk.numel()
+            if on_batch:
+                on_batch()
+    finally:
+        for h in handles:
+            h.remove()
+    out: dict[str, dict[str, float]] = {}
+    for u in units:
+        labels = [c.label for c in choices if c.scheme is not None and fits(c, u)]
+        out[u.name] = {label: 0.5 * sum(acc[m][label].item() for m in u.modules) / tokens for label in labels}
+        if any(c.scheme is None for c in choices):
+            out[u.name]["dense"] = 0.0
+    return out
