@@ -172,11 +172,17 @@ def inspect(
     for name, group in info.config_groups.items():
         w = group.get("weights") or {}
         size = "per channel" if w.get("strategy") == "channel" else f"group {w.get('group_size')}"
+        targets = group.get("targets", [])
         head.add_row(f"quantization {name}", f"{w.get('type')}{w.get('num_bits')} {size} "
-                     f"{'symmetric' if w.get('symmetric') else 'asymmetric'} on {', '.join(group.get('targets', []))}")
+                     f"{'symmetric' if w.get('symmetric') else 'asymmetric'} on "
+                     + (", ".join(targets) if len(targets) <= 3 else f"{len(targets)} modules named in config.json"))
     if not info.config_groups:
         head.add_row("quantization", "none (dense)")
-    head.add_row("ignored (dense)", ", ".join(info.ignore) or "-")
+    head.add_row("ignored (dense)", (", ".join(info.ignore[:6]) + (f" and {len(info.ignore) - 6} more" if len(info.ignore) > 6 else ""))
+                 or "-")
+    if info.mix:
+        head.add_row("decoder Linears", ", ".join(f"{n} {label}" for label, n in sorted(info.mix.items()))
+                     + f"; {info.linear_bits:.2f} bits a weight on average" + (f" ({info.method})" if info.method else ""))
     kv = info.kv_cache_scheme
     head.add_row("KV cache", "model dtype" if not kv else f"{kv.get('type')}{kv.get('num_bits')} per {kv.get('strategy')}")
     head.add_row("parameters", f"{info.parameters / 1e6:.1f} M ({info.quantized_parameters / 1e6:.1f} M quantized)")
@@ -188,6 +194,13 @@ def inspect(
     for row in info.modules:
         mods.add_row(row.name, str(row.count), "x".join(map(str, row.shape)), row.storage)
     stdout.print(mods)
+    if info.per_layer:  # a mix: each layer's Linears
+        names = list(info.per_layer[0])
+        short = [n.rsplit(".", 1)[-1] for n in names]
+        mix = Table("layer", *short, title="the mix, per layer", title_justify="left")
+        for i, layer in enumerate(info.per_layer):
+            mix.add_row(str(i), *(layer.get(n, "-") for n in names))
+        stdout.print(mix)
 
 
 @app.command(epilog="Examples: quantkit models  |  quantkit models --json")

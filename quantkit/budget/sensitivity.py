@@ -24,16 +24,22 @@ from quantkit.quant.rtn import rtn
 
 def weight_errors(module: nn.Linear, choices: list[Choice], unit: Unit, scale_dtype: torch.dtype) -> dict[str, Tensor]:
     """Q(W) − W [out, in] per quantized choice that fits the unit (round-to-nearest, as the checkpoint would round)."""
+    from quantkit.kernels.fused import native_bf16
+
     w = module.weight.detach().float()
-    return {c.label: rtn(w, c.scheme, scale_dtype).dequantize(torch.float32) - w
+    dtype = torch.bfloat16 if w.device.type == "cuda" or native_bf16() else torch.float32
+    return {c.label: (rtn(w, c.scheme, scale_dtype).dequantize(torch.float32) - w).to(dtype)
             for c in choices if c.scheme is not None and fits(c, unit)}
 
 
 @torch.no_grad()
 def _accumulate(acc: dict[str, Tensor], x: Tensor, g: Tensor, errors: dict[str, Tensor]) -> None:
-    x, g2 = x.reshape(-1, x.shape[-1]).float(), g.reshape(-1, g.shape[-1]).float().pow(2)
+    """acc[choice] += Σ g² (x ΔWᵀ)²; the products in the errors' dtype (bf16 where the CPU multiplies it natively:
+    a prediction needs two digits, not seven)."""
+    g2 = g.reshape(-1, g.shape[-1]).float().pow(2)
+    x = x.reshape(-1, x.shape[-1])
     for label, dw in errors.items():
-        acc[label] += (g2 * (x @ dw.t()).pow(2)).sum()
+        acc[label] += (g2 * (x.to(dw.dtype) @ dw.t()).float().pow(2)).sum().double()
 
 
 def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], rows: Tensor, scale_dtype: torch.dtype,
@@ -62,9 +68,10 @@ def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], ro
     try:
         for chunk in rows.split(batch):
             logits = model(input_ids=chunk, use_cache=False).logits.float()  # [b, seq, vocab]
-            with torch.no_grad():
-                drawn = torch.multinomial(torch.softmax(logits.detach().reshape(-1, logits.shape[-1]), -1), 1, generator=gen)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), drawn.squeeze(1), reduction="sum")
+            with torch.no_grad():  # a token from the model's own distribution at each position (Gumbel-max)
+                u = torch.rand(logits.shape, generator=gen).clamp_(min=1e-12)
+                drawn = (logits.detach() - u.log_().neg_().log_()).argmax(-1)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), drawn.reshape(-1), reduction="sum")
             loss.backward()
             tokens += chunk.numel()
             if on_batch:

@@ -55,6 +55,10 @@ class Inspection:
     dense_fp16_bytes: int
     weight_memory_bytes: int
     modules: list[ModuleRow] = field(default_factory=list)
+    linear_bits: float = 0.0  # average bits per decoder-layer Linear weight, scales and zero points included
+    mix: dict[str, int] = field(default_factory=dict)  # storage label -> decoder-layer Linears stored so (a budget's mix)
+    per_layer: list[dict[str, str]] = field(default_factory=list)  # with a mix: per layer, Linear -> storage label
+    method: str | None = None  # from quantkit.json, when quantkit wrote it
 
     @property
     def ratio(self) -> float:
@@ -81,10 +85,16 @@ def inspect_checkpoint(path: Path) -> Inspection:
     for f in files:
         headers.update(read_header(f))
     shapes = read_tensors(path, [k for k in headers if k.endswith(".weight_shape")])
-    params = qparams = tensor_bytes = 0
-    rows: dict[str, ModuleRow] = {}
+    params = qparams = tensor_bytes = linear_params = linear_bytes = 0
+    rows: dict[tuple[str, str], ModuleRow] = {}
+    mix: dict[str, int] = {}
+    per_layer: dict[int, dict[str, str]] = {}
     for key, h in headers.items():
-        tensor_bytes += math.prod(h["shape"]) * DTYPE_BYTES.get(h["dtype"], 2)
+        nbytes = math.prod(h["shape"]) * DTYPE_BYTES.get(h["dtype"], 2)
+        tensor_bytes += nbytes
+        if LAYER_INDEX.search(key) and (key.endswith(PACKED) or re.search(r"\.weight_(scale|zero_point)$", key)
+                                        or (key.endswith(".weight") and len(h["shape"]) == 2)):
+            linear_bytes += nbytes  # a decoder Linear's stored bytes
         if key.endswith(PACKED):
             module = key.removesuffix(PACKED)
             shape = [int(x) for x in shapes[f"{module}.weight_shape"]]
@@ -95,8 +105,13 @@ def inspect_checkpoint(path: Path) -> Inspection:
         else:
             module, shape, n, label = key, h["shape"], math.prod(h["shape"]), h["dtype"].lower()
         params += n
+        if LAYER_INDEX.search(module) and len(shape) == 2:
+            linear_params += n
+            mix[label] = mix.get(label, 0) + 1
+            layer, sub = re.match(r".*?\.layers\.(\d+)\.(.+?)(?:\.weight)?$", module).groups()
+            per_layer.setdefault(int(layer), {})[sub] = label
         role = LAYER_INDEX.sub(".layers.*.", module)
-        row = rows.setdefault(role, ModuleRow(role, 0, shape, label))
+        row = rows.setdefault((role, label), ModuleRow(role, 0, shape, label))
         row.count += 1
     return Inspection(
         path=str(path),
@@ -119,4 +134,15 @@ def inspect_checkpoint(path: Path) -> Inspection:
         dense_fp16_bytes=params * 2,
         weight_memory_bytes=tensor_bytes,
         modules=list(rows.values()),
+        linear_bits=8 * linear_bytes / max(linear_params, 1),
+        mix=mix,
+        per_layer=[per_layer[i] for i in sorted(per_layer)] if len(mix) > 1 else [],
+        method=_method(path),
     )
+
+
+def _method(path: Path) -> str | None:
+    try:
+        return json.loads((path / "quantkit.json").read_text())["recipe"]["method"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
