@@ -2,8 +2,9 @@
 
 A unit is the Linears that must share one scheme: a layer's q/k/v (the engines fuse them), its o, its gate/up, its
 down. Each unit's choices are points (bytes, predicted KL); the mix is found greedily over each unit's lower convex
-hull, taking the upgrades that remove the most predicted KL per byte first. On the hulls that is optimal for the
-continuous relaxation; the integer answer is within one upgrade (of one unit) of the optimum.
+hull, taking the upgrades that remove the most predicted KL per byte first (under a byte limit, an upgrade that does
+not fit is passed over and smaller ones of other units still taken). On the hulls that is optimal for the continuous
+relaxation; the integer answer is within one unit's range (its smallest to largest choice) of the optimum.
 """
 
 from __future__ import annotations
@@ -140,12 +141,14 @@ def choose(units: list[Unit], options: dict[str, dict[str, tuple[int, float]]], 
     if byte_limit is not None and total_b > byte_limit:
         raise QuantkitError(f"the budget cannot be met: the smallest mix ({'every unit at its smallest choice'}) is "
                             f"{total_b / 1e6:.1f} MB of Linear weights, over the {byte_limit / 1e6:.1f} MB the budget leaves them")
+    blocked: set[str] = set()
     for slope, name, j in sorted(segments):  # steepest KL drop per byte first; within a unit the hull keeps the order
         if kl_limit is not None and total_kl <= kl_limit:
             break
         lo, hi = hulls[name][j], hulls[name][j + 1]
-        if byte_limit is not None and total_b + hi[0] - lo[0] > byte_limit:
-            break
+        if name in blocked or (byte_limit is not None and total_b + hi[0] - lo[0] > byte_limit):
+            blocked.add(name)  # this upgrade does not fit: the unit stays, cheaper upgrades of others may still fit
+            continue
         at[name], total_b, total_kl = j + 1, total_b + hi[0] - lo[0], total_kl + hi[1] - lo[1]
     if kl_limit is not None and total_kl > kl_limit * (1 + 1e-9):
         raise QuantkitError(f"the budget cannot be met: even the largest choices ({', '.join(c.label for c in choices)}) are "

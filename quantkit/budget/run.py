@@ -66,7 +66,7 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
     from quantkit.arch import arch_of
     from quantkit.eval.backends import RuntimeBackend
     from quantkit.eval.kl import distribution
-    from quantkit.models import DTYPES, decoder_layers, load_tokenizer, read_config, resolve, source_dtype
+    from quantkit.models import DTYPES, _quiet_transformers, decoder_layers, load_tokenizer, read_config, resolve, source_dtype
     from quantkit.quantize import run_quantize
 
     check_output(out, force)
@@ -84,7 +84,8 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
         raise QuantkitError(f"--budget needs the model's tokenizer (for calibration and held-out rows); {resolved.path} has none")
     heldout_rows = eval_rows(tokenizer, HELDOUT_SEQLEN, HELDOUT_ROWS, heldout)  # fails early on too little text
     with ui.step("loading the dense model for the sensitivity pass"):
-        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval()
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval()
     units = units_of(decoder_layers(model), "model.layers", arch)
     choices = parse_choices(choices_text, units, recipe.symmetric)
     calib_rows = build(calib, tokenizer).ids[:SENSITIVITY_ROWS]

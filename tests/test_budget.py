@@ -1,0 +1,161 @@
+"""Quantizing to an accuracy budget: the mix chosen per unit, proven on held-out rows, written as one config group per
+scheme that HF transformers and the runtime read."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from conftest import run_cli
+from test_cli import assert_one_line_error
+
+from quantkit.budget.plan import Choice, Unit, _lower_hull, choose, parse_budget, parse_choice
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """Calibration and held-out text that the tiny word-level tokenizer reads as varied tokens (two seeds)."""
+    d = tmp_path_factory.mktemp("texts")
+    for name, seed, n in (("calib.txt", 0, 40), ("held.txt", 1, 60)):
+        r = random.Random(seed)
+        (d / name).write_text("\n\n".join(" ".join(f"w{r.randrange(252)}" for _ in range(80)) for _ in range(n)))
+    return d / "calib.txt", d / "held.txt"
+
+
+def budgeted(capsys, src, out, texts, *args):
+    calib, held = texts
+    return run_cli(capsys, "quantize", str(src), "-o", str(out), "--json", "--calib", str(calib), "--calib-samples", "8",
+                   "--calib-seqlen", "64", "--heldout", str(held), *args)
+
+
+def test_the_greedy_mix_is_within_one_unit_of_the_optimum():
+    """Against brute force on random instances: with a KL limit the greedy's bytes exceed the optimum's by at most one
+    unit's range of bytes; with a byte limit it fits and its KL is at most the optimum's plus one unit's range of KL."""
+    rng = random.Random(0)
+    choices = [Choice(x, None) for x in ("a", "b", "c", "d")]
+    for _ in range(200):
+        units = [Unit(f"u{i}", i, [], []) for i in range(4)]
+        options = {}
+        for u in units:
+            sizes = sorted(rng.sample(range(1, 100), 4))
+            kls = sorted((rng.random() for _ in range(4)), reverse=True)
+            options[u.name] = {c.label: (s, k) for c, s, k in zip(choices, sizes, kls)}
+        combos = list(itertools.product(*[list(options[u.name].values()) for u in units]))
+        step = max(max(b for b, _ in o.values()) - min(b for b, _ in o.values()) for o in options.values())
+        drop = max(max(k for _, k in o.values()) - min(k for _, k in o.values()) for o in options.values())
+        limit = rng.uniform(sum(min(k for _, k in o.values()) for o in options.values()), 2.0)
+        best = min(sum(b for b, _ in c) for c in combos if sum(k for _, k in c) <= limit)
+        plan = choose(units, options, choices, kl_limit=limit)
+        assert plan.predicted_kl <= limit + 1e-9 and plan.bytes <= best + step
+        cap = rng.uniform(sum(min(b for b, _ in o.values()) for o in options.values()), 400)
+        best_kl = min(sum(k for _, k in c) for c in combos if sum(b for b, _ in c) <= cap)
+        plan = choose(units, options, choices, byte_limit=cap)
+        assert plan.bytes <= cap and plan.predicted_kl <= best_kl + drop + 1e-9
+
+
+def test_the_hull_keeps_the_efficient_points():
+    points = [(10, 1.0, "a"), (12, 1.2, "dominated"), (20, 0.9, "above the line"), (30, 0.2, "c"), (60, 0.0, "d")]
+    assert [p[2] for p in _lower_hull(points)] == ["a", "c", "d"]
+
+
+def test_budget_and_choice_parsing():
+    assert parse_budget("kl=0.05").value == 0.05 and parse_budget("size=800MB").value == 800e6
+    assert parse_budget("bits=4.5").kind == "bits"
+    assert parse_choice("w4g64").scheme.group_size == 64 and parse_choice("w8").scheme.group_size is None
+    assert parse_choice("dense").scheme is None
+
+
+def test_a_kl_budget_is_met_on_held_out_rows_and_the_mix_loads_in_hf(tiny_dir, texts, tmp_path, capsys):
+    """The tiny model at kl=0.0005: a mix of several precisions (all-w4 is predicted over it), re-rounded when the
+    measurement says so, the measured mean KL within the budget; HF loads the config groups with no missing or
+    unexpected weights and agrees with the runtime; inspect shows the mix; eval re-measures it against the budget."""
+    from transformers import AutoModelForCausalLM
+    from test_runtime import prefill_logits
+
+    from quantkit.runtime.engine import EngineConfig, LLMEngine
+
+    out = tmp_path / "kl"
+    code, stdout, err = budgeted(capsys, tiny_dir, out, texts, "--budget", "kl=0.0005")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["met"] and report["measured_kl"] <= 0.0005
+    assert all(r["measured_kl"] > 0.0005 for r in report["rounds"][:-1])  # earlier rounds were over: re-rounded
+    chosen = {u["choice"] for u in report["units"]}
+    assert len(chosen) > 1, chosen
+    assert all(set(u["sensitivity"]) == {"w4g128", "w4g64", "w8", "dense"} for u in report["units"])
+    assert json.loads((out / "quantkit.json").read_text())["budget"]["measured_kl"] == report["measured_kl"]
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert len(groups) == len(chosen - {"dense"}) and all(g["targets"] != ["Linear"] for g in groups.values())
+
+    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    prompt = torch.tensor([1, 20, 31, 7, 99, 140, 8, 61])
+    with torch.no_grad():
+        want = hf.eval()(prompt[None]).logits[0, -1]
+    got = prefill_logits(LLMEngine(out, EngineConfig(dtype="fp32", kernel="reference")), prompt)
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+    code, stdout, _ = run_cli(capsys, "inspect", str(out), "--json")
+    info = json.loads(stdout)
+    assert len(info["mix"]) > 1 and len(info["per_layer"]) == 2
+    assert info["linear_bits"] == pytest.approx(report["average_bits"], rel=0.02)
+    code, stdout, err = run_cli(capsys, "eval", str(out), "--tasks", "kl", "--text", str(texts[1]), "--json",
+                                "--out", str(tmp_path / "eval"))
+    assert code == 0, err
+    row = next(r for r in json.loads(stdout)["summary"] if r["task"] == "budget")
+    assert row["verdict"] == "met" and row["quantized"] == pytest.approx(report["measured_kl"], rel=1e-3)
+
+
+@pytest.mark.parametrize("budget", ["bits=5", "size=600KB"])
+def test_bits_and_size_budgets_are_kept(tiny_dir, texts, tmp_path, capsys, budget):
+    code, stdout, err = budgeted(capsys, tiny_dir, tmp_path / "q", texts, "--budget", budget)
+    assert code == 0, err
+    report = json.loads(stdout)
+    if budget.startswith("bits"):
+        assert report["average_bits"] <= 5
+    else:
+        assert report["checkpoint_bytes"] <= 600_000
+    assert len(report["rounds"]) == 1  # only a KL budget re-rounds
+
+
+def test_budgets_that_cannot_be_met_and_bad_choices_are_one_line(tiny_dir, texts, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cases = [
+        (["--budget", "kl=0.00001", "--choices", "w4g128"], "cannot be met"),
+        (["--budget", "size=10KB"], "cannot be met"),
+        (["--budget", "kl=0.01", "--choices", "w3,w8"], "unknown choice 'w3'"),
+        (["--budget", "kl=oops"], "--budget kl="),
+        (["--choices", "w8"], "--choices needs --budget"),
+    ]
+    for args, pattern in cases:
+        code, _, err = budgeted(capsys, tiny_dir, tmp_path / "out", texts, *args)
+        assert_one_line_error(code, err, pattern)
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "out"), "--budget", "kl=0.01",
+                           "--heldout", str(empty))
+    assert_one_line_error(code, err, "too little text")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.integration
+def test_smollm2_kl_budget_is_met_on_held_out_text(smollm2_dir, tmp_path, capsys):
+    """The real model at kl=0.05 (RTN): the measured mean KL on the built-in held-out text is within the budget."""
+    code, stdout, err = run_cli(capsys, "quantize", str(smollm2_dir), "-o", str(tmp_path / "q"), "--json", "--budget",
+                                "kl=0.05", "--calib-samples", "8")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["met"] and report["measured_kl"] <= 0.05
+    assert 4 < report["average_bits"] < 8.5
+
+
+def test_a_budget_on_a_mixture_of_experts_model_is_refused_in_one_line(tmp_path, texts, capsys):
+    from conftest import make_tiny_moe
+
+    path = make_tiny_moe(tmp_path / "moe", "mixtral")
+    capsys.readouterr()  # (transformers' own save progress)
+    code, _, err = budgeted(capsys, path, tmp_path / "out", texts, "--budget", "kl=0.01")
+    assert_one_line_error(code, err, "mixture-of-experts")
