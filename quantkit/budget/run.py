@@ -20,7 +20,7 @@ from quantkit.budget.plan import Budget, Choice, Plan, Unit, choose, parse_choic
 from quantkit.budget.sensitivity import sensitivities
 from quantkit.calib.data import BUILTIN, CalibConfig, build, eval_rows
 from quantkit.config import Recipe
-from quantkit.formats.save import MANIFEST_NAME, atomic_dir, check_output
+from quantkit.formats.save import MANIFEST_NAME, atomic_dir, atomic_file, check_output
 from quantkit.ui import Reporter
 
 MAX_ROUNDS = 4
@@ -92,8 +92,17 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
     timings["load"] = round(time.perf_counter() - start, 2)
 
     start = time.perf_counter()
-    with ui.bar(f"sensitivity of {len(units)} units x {len(choices)} choices", -(-len(calib_rows) // 2)) as advance:
-        sens = sensitivities(model, units, choices, calib_rows, DTYPES[recipe.dtype], on_batch=advance)
+    cached = _sensitivity_file(resolved.path, choices, calib, recipe)
+    try:
+        sens = json.loads(cached.read_text())
+        ui.note(f"sensitivities from an earlier run ({cached})")
+    except (OSError, ValueError):
+        with ui.bar(f"sensitivity of {len(units)} units x {len(choices)} choices", -(-len(calib_rows) // 2)) as advance:
+            sens = sensitivities(model, units, choices, calib_rows, DTYPES[recipe.dtype], on_batch=advance)
+        try:
+            atomic_file(cached, lambda tmp: tmp.write_text(json.dumps(sens)))
+        except OSError:
+            pass  # a read-only cache costs the next budget its sensitivity pass, never this one its result
     dtype_bytes = torch.empty((), dtype=DTYPES[recipe.dtype]).element_size()
     options = {u.name: {label: (unit_bytes(u, next(c for c in choices if c.label == label), dtype_bytes), kl)
                         for label, kl in sens[u.name].items()} for u in units}
@@ -161,6 +170,21 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
     finally:
         for r in range(MAX_ROUNDS):
             shutil.rmtree(out.with_name(f".{out.name}.budget-{r}"), ignore_errors=True)
+
+
+def _sensitivity_file(path: Path, choices: list[Choice], calib: CalibConfig, recipe: Recipe) -> Path:
+    """Where the sensitivities of this model, choice list and calibration are kept: another budget on the same model
+    reuses them (the pass is most of a budget's time on a large model)."""
+    import hashlib
+
+    from quantkit.models import cache_dir, weight_files
+
+    files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in weight_files(path)]
+    code = (Path(__file__).parent / "sensitivity.py").read_bytes()
+    key = hashlib.sha256(json.dumps([str(path.resolve()), files, [c.label for c in choices], recipe.symmetric, recipe.dtype,
+                                     [calib.source, calib.samples, calib.seqlen, calib.seed, calib.split, calib.column,
+                                      calib.chat_template], SENSITIVITY_ROWS, hashlib.sha256(code).hexdigest()]).encode())
+    return cache_dir() / "sensitivity" / f"{key.hexdigest()[:24]}.json"
 
 
 def _counts(plan: Plan) -> dict[str, int]:
