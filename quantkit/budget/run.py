@@ -7,8 +7,11 @@ its budget is written to OUT.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +142,8 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
             result = run_quantize(spec, candidate, recipe, max_shard_bytes, True, ui, calib, device, mix=plan.schemes(units))
             timings[f"round {r + 1} quantize"] = round(time.perf_counter() - t0, 2)
             t0 = time.perf_counter()
-            with ui.bar(f"round {r + 1}: mean KL on {len(heldout_rows)} held-out rows", len(heldout_rows)) as advance:
+            with (ui.bar(f"round {r + 1}: mean KL on {len(heldout_rows)} held-out rows", len(heldout_rows)) as advance,
+                  _no_panel_cache()):  # (a candidate's kernel layout is not worth keeping: it is deleted or renamed)
                 measured = distribution(baseline, RuntimeBackend(candidate, "quantized"), heldout_rows, on_row=advance).kl_mean
             timings[f"round {r + 1} measure"] = round(time.perf_counter() - t0, 2)
             rounds.append(Round(plan.predicted_kl, measured, plan.bytes, kl_limit, _counts(plan)))
@@ -170,6 +174,19 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
     finally:
         for r in range(MAX_ROUNDS):
             shutil.rmtree(out.with_name(f".{out.name}.budget-{r}"), ignore_errors=True)
+
+
+@contextmanager
+def _no_panel_cache() -> Iterator[None]:
+    old = os.environ.get("QUANTKIT_PANEL_CACHE")
+    os.environ["QUANTKIT_PANEL_CACHE"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("QUANTKIT_PANEL_CACHE")
+        else:
+            os.environ["QUANTKIT_PANEL_CACHE"] = old
 
 
 def _sensitivity_file(path: Path, choices: list[Choice], calib: CalibConfig, recipe: Recipe) -> Path:
