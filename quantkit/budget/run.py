@@ -110,8 +110,7 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
     options = {u.name: {label: (unit_bytes(u, next(c for c in choices if c.label == label), dtype_bytes), kl)
                         for label, kl in sens[u.name].items()} for u in units}
     unit_params = sum(o * i for u in units for o, i in u.shapes)
-    fixed_bytes = (sum(p.numel() for p in model.parameters()) - unit_params
-                   - (model.lm_head.weight.numel() if config.get("tie_word_embeddings") else 0)) * dtype_bytes
+    fixed_bytes = (sum(p.numel() for p in model.parameters()) - unit_params) * dtype_bytes  # (a tied head counts once)
     del model
     timings["sensitivity"] = round(time.perf_counter() - start, 2)
 
