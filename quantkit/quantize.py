@@ -42,6 +42,7 @@ from quantkit.formats.save import (
 from quantkit.memory import peak_rss_bytes, return_freed_memory
 from quantkit.models import (
     DTYPES,
+    ResolvedModel,
     checkpoint_parts,
     decoder_layers,
     load_layer,
@@ -189,6 +190,16 @@ def few_tokens_note(layer: str, tokens: list[int]) -> str | None:
             "layer's tokens instead (more or more varied calibration rows reach them)")
 
 
+def open_source(spec: str, recipe: Recipe, ui: Reporter) -> tuple[ResolvedModel, dict, Arch]:
+    """Resolve MODEL, read its config and family, and settle the checkpoint dtype (the model's own when unset)."""
+    with ui.step(f"resolving {spec}"):
+        resolved = resolve(spec, status=ui.note)
+    config = read_config(resolved.path)
+    arch = arch_of(config, resolved.path)
+    recipe.dtype = recipe.dtype or source_dtype(config)
+    return resolved, config, arch
+
+
 def run_quantize(
     spec: str,
     out: Path,
@@ -209,11 +220,7 @@ def run_quantize(
     check_output(out, force)
     device = pick_device(device)
     start = time.perf_counter()
-    with ui.step(f"resolving {spec}"):
-        resolved = resolve(spec, status=ui.note)
-    config = read_config(resolved.path)
-    arch = arch_of(config, resolved.path)
-    recipe.dtype = recipe.dtype or source_dtype(config)
+    resolved, config, arch = open_source(spec, recipe, ui)
     dtype = DTYPES[recipe.dtype]
     if recipe.method.startswith("bnb"):
         from quantkit.formats.bnb import run_bnb

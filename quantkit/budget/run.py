@@ -66,22 +66,17 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
                  force: bool, ui: Reporter, calib: CalibConfig, device: str = "auto", heldout: str = BUILTIN) -> BudgetReport:
     from transformers import AutoModelForCausalLM
 
-    from quantkit.arch import arch_of
     from quantkit.eval.backends import RuntimeBackend
     from quantkit.eval.kl import distribution
-    from quantkit.models import DTYPES, _quiet_transformers, decoder_layers, load_tokenizer, read_config, resolve, source_dtype
-    from quantkit.quantize import run_quantize
+    from quantkit.models import DTYPES, _quiet_transformers, decoder_layers, load_tokenizer
+    from quantkit.quantize import open_source, run_quantize
 
     check_output(out, force)
     if choices_text:
         parse_choices(choices_text, [], recipe.symmetric)  # an unknown choice fails before any slow work
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    with ui.step(f"resolving {spec}"):
-        resolved = resolve(spec, status=ui.note)
-    config = read_config(resolved.path)
-    arch = arch_of(config, resolved.path)
-    recipe.dtype = recipe.dtype or source_dtype(config)
+    resolved, _, arch = open_source(spec, recipe, ui)
     tokenizer = load_tokenizer(resolved.path)
     if tokenizer is None:
         raise QuantkitError(f"--budget needs the model's tokenizer (for calibration and held-out rows); {resolved.path} has none")
