@@ -1,7 +1,8 @@
 """`quantkit quantize MODEL --budget ...`: measure each unit's sensitivity, choose the cheapest mix that meets the
-budget, quantize it, and prove it on held-out rows; when the measured KL is over a KL budget, tighten the target by
-the measured / predicted ratio and quantize again (at most MAX_ROUNDS rounds, each reported). Only a mix that met
-its budget is written to OUT.
+budget, quantize it, and prove it on held-out rows. Under a KL budget the target is re-aimed by the measured /
+predicted ratio and the mix quantized again: tighter when it was over, looser when it came in well under (GPTQ and AWQ
+lose less than the round-to-nearest prediction), at most MAX_ROUNDS rounds, each reported. The smallest mix that met
+its budget is written to OUT; none is written when none met it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from quantkit.formats.save import MANIFEST_NAME, atomic_dir, atomic_file, check_
 from quantkit.ui import Reporter
 
 MAX_ROUNDS = 4
+UNDER = 0.8  # a KL budget met with a measured KL under this fraction of it is re-aimed looser (GPTQ/AWQ beat RTN's prediction)
 SENSITIVITY_ROWS = 16  # calibration rows the sensitivity pass reads (of --calib-samples)
 HELDOUT_ROWS, HELDOUT_SEQLEN = 16, 512  # as `quantkit eval`'s KL, so that eval re-measures the same number
 
@@ -118,17 +120,18 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
 
     baseline = RuntimeBackend(resolved.path, "baseline")
     rounds: list[Round] = []
-    previous: dict[str, Choice] | None = None
-    best: Path | None = None
-    summary: dict[str, Any] = {}
+    tried: list[dict[str, Choice]] = []
+    best: tuple[Path, Plan, float, dict[str, Any]] | None = None  # the smallest mix that met the budget so far
     try:
         for r in range(MAX_ROUNDS):
-            if previous is not None:  # over a KL budget: aim lower by the measured / predicted ratio
-                kl_limit = budget.value * rounds[-1].predicted_kl / max(rounds[-1].measured_kl, 1e-12)
+            if r:  # re-aim by the last round's measured / predicted ratio: lower when it was over, higher when well under
+                last = rounds[-1]
+                kl_limit = budget.value * last.predicted_kl / max(last.measured_kl, 1e-12)
                 plan = choose(units, options, choices, kl_limit, None)
-                if plan.mix == previous:  # the ratio moved nothing: take the next upgrades
-                    kl_limit = plan.predicted_kl * 0.7
-                    plan = choose(units, options, choices, kl_limit, None)
+                if plan.mix in tried and last.measured_kl > budget.value:  # the ratio moved nothing: the next upgrades
+                    plan = choose(units, options, choices, plan.predicted_kl * 0.7, None)
+                if plan.mix in tried:
+                    break
             candidate = out.with_name(f".{out.name}.budget-{r}")
             shutil.rmtree(candidate, ignore_errors=True)
             t0 = time.perf_counter()
@@ -141,24 +144,28 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
                 measured = distribution(baseline, RuntimeBackend(candidate, "quantized"), heldout_rows, on_row=advance).kl_mean
             timings[f"round {r + 1} measure"] = round(time.perf_counter() - t0, 2)
             rounds.append(Round(plan.predicted_kl, measured, plan.bytes, kl_limit, _counts(plan)))
+            tried.append(plan.mix)
             ui.note(f"round {r + 1}: measured mean KL {measured:.4f} (predicted {plan.predicted_kl:.4f})")
-            if best is not None:
-                shutil.rmtree(best, ignore_errors=True)
-            best, summary, previous = candidate, result.summary(), plan.mix
-            if budget.kind != "kl" or measured <= budget.value:
-                break
-        met = budget.kind != "kl" or rounds[-1].measured_kl <= budget.value
-        if not met:
-            raise QuantkitError(f"budget {budget} not met after {MAX_ROUNDS} rounds (last measured mean KL "
+            if budget.kind != "kl" or (measured <= budget.value and (best is None or plan.bytes < best[1].bytes)):
+                if best is not None:
+                    shutil.rmtree(best[0], ignore_errors=True)
+                best = (candidate, plan, measured, result.summary())
+            else:
+                shutil.rmtree(candidate, ignore_errors=True)
+            if budget.kind != "kl" or UNDER * budget.value <= measured <= budget.value:
+                break  # met, and close enough to the budget that a looser mix would likely not be
+        if best is None:
+            raise QuantkitError(f"budget {budget} not met after {len(rounds)} rounds (last measured mean KL "
                                 f"{rounds[-1].measured_kl:.4f}); nothing was written: allow a larger choice or a looser budget")
+        candidate, plan, measured, summary = best
         report = BudgetReport(
             str(budget), recipe.method, [c.label for c in choices],
             [{"name": u.name, "sensitivity": sens[u.name], "bytes": {k: v[0] for k, v in options[u.name].items()},
               "choice": plan.mix[u.name].label} for u in units],
-            rounds, met, plan.predicted_kl, rounds[-1].measured_kl, summary["out_bytes"], plan.bytes,
+            rounds, True, plan.predicted_kl, measured, summary["out_bytes"], plan.bytes,
             8 * plan.bytes / unit_params, timings, summary)
         with atomic_dir(out, force) as dest:
-            for f in best.iterdir():
+            for f in candidate.iterdir():
                 f.rename(dest / f.name)
             manifest = json.loads((dest / MANIFEST_NAME).read_text())
             manifest["budget"] = {k: v for k, v in report.to_dict().items() if k != "quantize"}
