@@ -93,7 +93,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
-        kind = "o" if r["name"].startswith(("kl=", "bits=", "size=")) else ("s" if r["model"].endswith(".gguf") else "^")
+        kind = "o" if any(k in r["name"] for k in ("kl=", "bits=", "size=")) else ("s" if r["model"].endswith(".gguf") else "^")
         ax.scatter(r["bytes"] / 1e6, r["kl_mean"], marker=kind)
         ax.annotate(r["name"], (r["bytes"] / 1e6, r["kl_mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("checkpoint size (MB)")

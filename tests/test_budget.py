@@ -161,3 +161,21 @@ def test_a_budget_on_a_mixture_of_experts_model_is_refused_in_one_line(tmp_path,
     capsys.readouterr()  # (transformers' own save progress)
     code, _, err = budgeted(capsys, path, tmp_path / "out", texts, "--budget", "kl=0.01")
     assert_one_line_error(code, err, "mixture-of-experts")
+
+
+def test_sensitivities_are_the_same_with_the_weight_errors_made_per_row(tiny_dir, monkeypatch):
+    """Large models do not keep every Linear's Q(W) - W: made again per row, the predictions are the same."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.arch import LLAMA
+    from quantkit.budget import sensitivity
+    from quantkit.budget.plan import parse_choices, units_of
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    units = units_of(model.model.layers, "model.layers", LLAMA)
+    choices = parse_choices(None, units)
+    rows = torch.randint(4, 250, (2, 32), generator=torch.Generator().manual_seed(0))
+    kept = sensitivity.sensitivities(model, units, choices, rows, torch.bfloat16)
+    monkeypatch.setattr(sensitivity, "KEEP_ERRORS_BYTES", 0)
+    remade = sensitivity.sensitivities(model, units, choices, rows, torch.bfloat16)
+    assert kept == remade and all(v["w4g128"] > v["w8"] > v["dense"] == 0 for v in kept.values())

@@ -97,7 +97,7 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
         sens = json.loads(cached.read_text())
         ui.note(f"sensitivities from an earlier run ({cached})")
     except (OSError, ValueError):
-        with ui.bar(f"sensitivity of {len(units)} units x {len(choices)} choices", -(-len(calib_rows) // 2)) as advance:
+        with ui.bar(f"sensitivity of {len(units)} units x {len(choices)} choices", len(calib_rows)) as advance:
             sens = sensitivities(model, units, choices, calib_rows, DTYPES[recipe.dtype], on_batch=advance)
         try:
             atomic_file(cached, lambda tmp: tmp.write_text(json.dumps(sens)))

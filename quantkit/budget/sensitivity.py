@@ -7,8 +7,9 @@ predicted as ½ Σ g² Δy² over its Linears' outputs and the tokens (F's diago
 by the tokens. The stated approximations: F's diagonal only; units add (the KL of a mix is the sum of its units');
 Q is round-to-nearest (GPTQ and AWQ lose less, so a mix quantized with them comes in under its prediction).
 
-Cost: per calibration batch one forward and one backward of the dense model (about three forwards) plus, per
-choice, one GEMM per Linear (a forward's worth); the model is held whole, in float32.
+Cost: per calibration row one forward and one backward of the dense model (about three forwards) plus, per
+choice, one GEMM per Linear (a forward's worth); the model is held whole, in float32 (a 1.5B model: 6 GB, and
+its Q(W) − W are made again for each row rather than kept, which would take 8 GB more).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch import Tensor, nn
 
 from quantkit.budget.plan import Choice, Unit, fits
 from quantkit.quant.rtn import rtn
+
+KEEP_ERRORS_BYTES = 2 << 30  # every Linear's Q(W) - W per choice is kept (bf16) up to this; beyond, made again per row
 
 
 def weight_errors(module: nn.Linear, choices: list[Choice], unit: Unit, scale_dtype: torch.dtype) -> dict[str, Tensor]:
@@ -43,13 +46,17 @@ def _accumulate(acc: dict[str, Tensor], x: Tensor, g: Tensor, errors: dict[str, 
 
 
 def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], rows: Tensor, scale_dtype: torch.dtype,
-                  batch: int = 2, seed: int = 0, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
+                  batch: int = 1, seed: int = 0, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """{unit name: {choice label: predicted mean KL (nats / token)}} over `rows` [n, seq] of calibration token ids.
     Dense is 0; a choice whose group does not divide a unit's widths is left out for that unit."""
     modules = {m: model.get_submodule(m) for u in units for m in u.modules}
     unit_of = {m: u for u in units for m in u.modules}
-    errors = {m: weight_errors(mod, choices, unit_of[m], scale_dtype) for m, mod in modules.items()}
-    acc = {m: {label: torch.zeros((), dtype=torch.float64) for label in errors[m]} for m in modules}
+    quantized = sum(c.scheme is not None for c in choices)
+    keep_errors = sum(mod.weight.numel() for mod in modules.values()) * quantized * 2 <= KEEP_ERRORS_BYTES
+    errors = {m: weight_errors(mod, choices, unit_of[m], scale_dtype) for m, mod in modules.items()} if keep_errors else {}
+    error_of = (lambda m: errors[m]) if keep_errors else (lambda m: weight_errors(modules[m], choices, unit_of[m], scale_dtype))
+    acc = {m: {c.label: torch.zeros((), dtype=torch.float64) for c in choices if c.scheme is not None and fits(c, unit_of[m])}
+           for m in modules}
     for p in model.parameters():
         p.requires_grad_(False)
     saved: dict[str, Tensor] = {}
@@ -57,7 +64,7 @@ def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], ro
     def keep(name):
         def hook(module, args, out):
             saved[name] = args[0].detach()
-            out.register_hook(lambda g: _accumulate(acc[name], saved.pop(name), g, errors[name]))
+            out.register_hook(lambda g: _accumulate(acc[name], saved.pop(name), g, error_of(name)))
         return hook
 
     embed = model.get_input_embeddings()
