@@ -187,3 +187,17 @@ def test_gemma_3_270m_serves_completions_with_its_bos_and_refuses_chat_without_a
         assert chat.status_code == 400 and "chat_template" in chat.json()["error"]["message"]
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.integration
+def test_offline_generate_tokenizes_text_with_the_bos_as_the_server_does(gemma270_dir):
+    """`LLM.generate("text")` has completions' semantics: the tokenizer's special tokens (Gemma's <bos>) come first."""
+    from quantkit.runtime.engine import LLM
+
+    llm = LLM(gemma270_dir, dtype="fp32", kv_cache_memory=256 << 20)
+    text = "The capital of France is"
+    ids = llm.engine.tokenizer(text)["input_ids"]
+    assert ids[0] == llm.engine.tokenizer.bos_token_id
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    out = llm.generate(text, params)[0]
+    assert out.prompt_tokens == len(ids) and out.token_ids == llm.generate([ids], params)[0].token_ids

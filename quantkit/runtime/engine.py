@@ -416,7 +416,7 @@ class LLM:
                  ) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, str) else prompts
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = [self.engine.add_request(self._ids(p), sp) for p, sp in zip(prompts, plist)]
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -424,8 +424,13 @@ class LLM:
                     done[out.id] = out
         return [done[i] for i in ids]
 
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        """A text prompt as the server's /v1/completions tokenizes it (and vLLM's LLM.generate): with the tokenizer's
+        special tokens, i.e. its BOS where it adds one (Gemma without <bos> degenerates)."""
+        return self.engine.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        rid = self.engine.add_request(prompt, params)
+        rid = self.engine.add_request(self._ids(prompt), params)
         while True:
             for out in self.engine.step():
                 if out.id == rid:
