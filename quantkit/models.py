@@ -202,6 +202,15 @@ def skeleton(path: Path, compute_dtype: torch.dtype, device: str) -> torch.nn.Mo
     return model.eval()
 
 
+def expert_slice(fused: torch.Tensor, e: int, which: int) -> torch.Tensor:
+    """Expert e's gate (0), up (1) or down (2) weight [out, in], a view into HF's fused `gate_up_proj` [E, 2 * inter,
+    hidden] (gate rows first) or `down_proj` [E, hidden, inter]."""
+    if which == 2:
+        return fused[e]
+    inter = fused.shape[1] // 2
+    return fused[e, which * inter : (which + 1) * inter]
+
+
 def checkpoint_parts(key: str, tensor: torch.Tensor, arch: Arch) -> list[tuple[str, torch.Tensor]]:
     """An entry of an HF decoder layer's state dict as the checkpoint stores it: (name within the layer, view of
     `tensor`) pairs. HF holds a sparse block's experts fused ([experts, 2 * inter, hidden], gate rows first, and
@@ -210,11 +219,9 @@ def checkpoint_parts(key: str, tensor: torch.Tensor, arch: Arch) -> list[tuple[s
     if moe is None or not key.startswith("mlp."):
         return [(key, tensor)]
     if key == "mlp.experts.gate_up_proj":
-        inter = tensor.shape[1] // 2
-        return [(f"{moe.expert(e, j)}.weight", tensor[e, j * inter : (j + 1) * inter])
-                for e in range(tensor.shape[0]) for j in (0, 1)]
+        return [(f"{moe.expert(e, j)}.weight", expert_slice(tensor, e, j)) for e in range(tensor.shape[0]) for j in (0, 1)]
     if key == "mlp.experts.down_proj":
-        return [(f"{moe.expert(e, 2)}.weight", tensor[e]) for e in range(tensor.shape[0])]
+        return [(f"{moe.expert(e, 2)}.weight", expert_slice(tensor, e, 2)) for e in range(tensor.shape[0])]
     return [(moe.block + key.removeprefix("mlp"), tensor)]  # the router; a dense layer's or the shared expert's MLP
 
 

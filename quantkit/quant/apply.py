@@ -23,10 +23,10 @@ class ExpertProj:
 
     @property
     def weight(self) -> Tensor:  # [out, in]
-        if self.which == 2:
-            return self.experts.down_proj[self.index]
-        inter = self.experts.gate_up_proj.shape[1] // 2
-        return self.experts.gate_up_proj[self.index, self.which * inter : (self.which + 1) * inter]
+        from quantkit.models import expert_slice
+
+        fused = self.experts.down_proj if self.which == 2 else self.experts.gate_up_proj
+        return expert_slice(fused, self.index, self.which)
 
     @property
     def in_features(self) -> int:
