@@ -61,6 +61,10 @@ def quantize(
     choices: str | None = typer.Option(
         None, "--choices", help="With --budget: the precisions a unit may take, e.g. w4g128,w4g64,w8,dense.  "
         "[default: 4-bit at the model's group and half it, w8, dense]"),
+    embeddings: str | None = typer.Option(
+        None, "--embeddings", help="The vocabulary tables (embedding, head): dense, w8 (int8 per row: quantkit's runtime reads it; HF "
+        "transformers and vLLM read an untied int8 head, not yet an int8 embedding) or auto (with --budget: the budget "
+        "decides).  [default: dense]"),
     heldout: str = typer.Option("builtin", "--heldout", help="With --budget kl=: the held-out text the KL is proven on."),
     calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin, a .txt/.jsonl/.parquet file, or a hub dataset."),
     calib_samples: int = typer.Option(128, "--calib-samples", help="Calibration rows."),
@@ -88,9 +92,11 @@ def quantize(
     overrides = {"bits": bits, "group_size": group_size, "method": method, "dtype": dtype,
                  "symmetric": None if asym is None else not asym, "kv_cache": kv_cache, "kv_strategy": kv_strategy,
                  "actorder": None if actorder is None else ("static" if actorder else "none"),
-                 "true_sequential": true_sequential}
+                 "true_sequential": true_sequential, "embeddings": embeddings}
     spec = build_recipe(recipe, overrides, ignore)
     calib_cfg = CalibConfig(calib, calib_samples, calib_seqlen, seed, calib_split, calib_column, chat_template)
+    if spec.embeddings == "auto" and budget is None:
+        raise QuantkitError("--embeddings auto needs --budget (the budget decides); use dense or w8 without one")
     if budget is not None or choices is not None:
         from quantkit.budget.plan import parse_budget
         from quantkit.budget.run import run_budgeted
@@ -183,6 +189,10 @@ def inspect(
     if info.mix:
         head.add_row("decoder Linears", ", ".join(f"{n} {label}" for label, n in sorted(info.mix.items()))
                      + f"; {info.linear_bits:.2f} bits a weight on average" + (f" ({info.method})" if info.method else ""))
+    if any(v.startswith("int") for v in info.tables.values()):
+        head.add_row("vocabulary tables", "; ".join(f"{m} {v}" for m, v in info.tables.items()) + (
+            " (a quantized embedding: quantkit's runtime reads it; HF transformers does not yet, vLLM only untied, on GPU)"
+            if info.tables.get("model.embed_tokens", "").startswith("int") else ""))
     kv = info.kv_cache_scheme
     head.add_row("KV cache", "model dtype" if not kv else f"{kv.get('type')}{kv.get('num_bits')} per {kv.get('strategy')}")
     head.add_row("parameters", f"{info.parameters / 1e6:.1f} M ({info.quantized_parameters / 1e6:.1f} M quantized)")

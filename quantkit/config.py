@@ -45,6 +45,10 @@ class Scheme:
         return (1 << (self.bits - 1)) - 1
 
 
+EMBEDDINGS = ("dense", "w8", "auto")
+TABLE_SCHEME = Scheme(bits=8, group_size=None, symmetric=True)  # a quantized vocabulary table: int8, one scale per row
+
+
 @dataclass(slots=True)
 class Recipe:
     """One quantization run. `group_size` None = per channel; unset fields take defaults by bit width."""
@@ -63,6 +67,7 @@ class Recipe:
     damp: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added before inverting
     block_size: int = 128  # GPTQ: columns updated together
     true_sequential: bool = True  # GPTQ: each sublayer's Hessian from the quantized sublayers before it
+    embeddings: str = "dense"  # the vocabulary tables (embedding, head): "dense", "w8" (int8 per row), "auto" (a budget decides)
 
     def scheme(self) -> Scheme | None:
         """The weight scheme, or None when weights stay dense (method none)."""
@@ -82,7 +87,7 @@ class Recipe:
 
 # Fields a recipe file (and the command line) may set, with their checks.
 RECIPE_FIELDS = ("name", "method", "bits", "group_size", "symmetric", "ignore", "dtype", "kv_cache", "kv_strategy",
-                 "actorder", "damp", "block_size", "true_sequential")
+                 "actorder", "damp", "block_size", "true_sequential", "embeddings")
 
 
 def _bad(where: str, name: str, msg: str) -> QuantkitError:
@@ -147,6 +152,10 @@ def validate_field(name: str, value: Any, where: str) -> Any:
     if name == "block_size":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise _bad(where, name, f"must be a positive integer, got {value!r}")
+        return value
+    if name == "embeddings":
+        if value not in EMBEDDINGS:
+            raise _bad(where, name, f"must be one of {', '.join(EMBEDDINGS)}, got {value!r}")
         return value
     raise QuantkitError(f"{where}: unknown field '{name}' (known: {', '.join(RECIPE_FIELDS)})")
 

@@ -55,7 +55,8 @@ from quantkit.models import (
     source_hash,
     weight_files,
 )
-from quantkit.quant.apply import Target, find_targets, matches, resolve_group_size, routers
+from quantkit.quant.apply import Target, find_targets, matches, resolve_group_size, routers, vocab_tables
+from quantkit.quant.rtn import rtn
 from quantkit.quant.kv_fp8 import kv_scale
 from quantkit.ui import Reporter
 
@@ -118,7 +119,9 @@ def compute_dtype(dtype: torch.dtype, device: str, method: str = "gptq") -> torc
 
 
 def dense_ignore(model: nn.Module, patterns: list[str], quantized: set[str]) -> list[str]:
-    """The config's `ignore`: our patterns plus every other Linear left dense (targets say "Linear")."""
+    """The config's `ignore`: our patterns (less a head quantized by name: ignore outranks targets) plus every other
+    Linear left dense (targets say "Linear")."""
+    patterns = [p for p in patterns if p not in quantized]
     extra = [
         name
         for name, m in model.named_modules()
@@ -240,6 +243,7 @@ def run_quantize(
     elif note := resolve_group_size(recipe, targets):
         notes.append(note)
         ui.note(note)
+    tables = vocab_tables(config, recipe, mix)
     batches, calibration = calibration_batches(model, layers, recipe, calib, tokenizer, device, notes, ui)
     release_layer(model.get_input_embeddings())  # the first layer's inputs exist; the writer reads it from the source
     if batches is not None and forward != dtype:  # say what the layer walk computes in, and why
@@ -258,8 +262,14 @@ def run_quantize(
     expert_tokens: dict[str, list[int]] = {}
     with atomic_dir(out, force) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
-        for key in model.state_dict():  # embeddings, final norm, untied lm_head: dense, from the source
-            if not key.startswith("model.layers.") and not (key == "lm_head.weight" and config.get("tie_word_embeddings")):
+        for key in model.state_dict():  # embeddings, final norm, untied lm_head: from the source, dense or int8 rows
+            if key.startswith("model.layers.") or (key == "lm_head.weight" and config.get("tie_word_embeddings")):
+                continue
+            if (module := key.removesuffix(".weight")) in tables:
+                for name, tensor in compressed_tensors_of(module, rtn(source.get(key).float(), tables[module], dtype)).items():
+                    writer.add(name, tensor)
+                quantized.add(module)
+            else:
                 writer.add(key, source.get(key).to(dtype))
         label = f"quantizing ({recipe.method}" + (", a mix)" if mix else f", int{recipe.bits})" if recipe.scheme() else ")")
         with ui.bar(label, len(layers)) as advance:
@@ -283,7 +293,7 @@ def run_quantize(
             kv = recipe.kv_strategy if recipe.kv_cache else None
             actorder = recipe.actorder if recipe.method == "gptq" else None
             ignore = dense_ignore(model, recipe.ignore, quantized) + routers(layers, "model.layers", arch)
-            qconfig = quantization_config(recipe.scheme(), ignore, kv, actorder, mix)
+            qconfig = quantization_config(recipe.scheme(), ignore, kv, actorder, mix, tables)
             write_metadata(tmp, model.config, _generation_config(resolved.path), tokenizer, qconfig, dtype)
             timings["save"] = round(time.perf_counter() - start, 3)
             write_manifest(tmp, {

@@ -33,14 +33,16 @@ class Budget:
 class Choice:
     label: str  # "w4g128", "w8", "dense"
     scheme: Scheme | None  # None: dense
+    tables_only: bool = False  # added for the vocabulary tables (--embeddings auto), not one of the user's --choices
 
 
 @dataclass(slots=True)
 class Unit:
-    name: str  # "model.layers.3.qkv"
-    layer: int
+    name: str  # "model.layers.3.qkv"; "model.embed_tokens" (with a tied head) or "lm_head" for a vocabulary table
+    layer: int  # -1 for a vocabulary table
     modules: list[str]  # full module names
     shapes: list[tuple[int, int]]  # [out, in] of each
+    table: bool = False  # a vocabulary table: dense or int8 per row, nothing else
 
 
 def parse_budget(text: str) -> Budget:
@@ -82,8 +84,29 @@ def parse_choices(text: str | None, units: list[Unit], symmetric: bool = True) -
 
 
 def fits(choice: Choice, unit: Unit) -> bool:
-    g = choice.scheme.group_size if choice.scheme else None
-    return g is None or all(s[1] % g == 0 for s in unit.shapes)
+    s = choice.scheme
+    if unit.table:  # (a table's rows are looked up one at a time: one scale per row, and 8 bits keep them exact enough)
+        return s is None or (s.bits == 8 and s.group_size is None)
+    if choice.tables_only:
+        return False
+    return s is None or s.group_size is None or all(w[1] % s.group_size == 0 for w in unit.shapes)
+
+
+def with_table_choices(choices: list[Choice], symmetric: bool = True) -> list[Choice]:
+    """The user's choices plus, where missing, what a vocabulary table may take: dense and int8 per row."""
+    extra = [Choice(c.label, c.scheme, tables_only=True) for c in (parse_choice("w8", symmetric), parse_choice("dense"))
+             if c.label not in {x.label for x in choices}]
+    return [*choices, *extra]
+
+
+def table_units(model) -> list[Unit]:
+    """The embedding (its tied head with it: one table) and an untied head, as budget units."""
+    embed = model.get_input_embeddings()
+    units = [Unit("model.embed_tokens", -1, ["model.embed_tokens"], [tuple(embed.weight.shape)], table=True)]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not embed.weight:
+        units.append(Unit("lm_head", -1, ["lm_head"], [tuple(head.weight.shape)], table=True))
+    return units
 
 
 def unit_bytes(unit: Unit, choice: Choice, dtype_bytes: int = 2) -> int:

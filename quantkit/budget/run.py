@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from quantkit import QuantkitError
-from quantkit.budget.plan import Budget, Choice, Plan, Unit, choose, parse_choices, unit_bytes, units_of
+from quantkit.budget.plan import (
+    Budget, Choice, Plan, Unit, choose, parse_choices, table_units, unit_bytes, units_of, with_table_choices,
+)
 from quantkit.budget.sensitivity import sensitivities
 from quantkit.calib.data import BUILTIN, CalibConfig, build, eval_rows
 from quantkit.config import Recipe
@@ -90,6 +92,9 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
             model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval()
     units = units_of(decoder_layers(model), "model.layers", arch)
     choices = parse_choices(choices_text, units, recipe.symmetric)
+    if recipe.embeddings != "dense":  # the vocabulary tables join the budget: auto, dense or int8 rows; w8, int8 rows
+        units += table_units(model)
+        choices = with_table_choices(choices, recipe.symmetric)
     calib_rows = build(calib, tokenizer).ids[:SENSITIVITY_ROWS]
     timings["load"] = round(time.perf_counter() - start, 2)
 
@@ -107,7 +112,8 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
             pass  # a read-only cache costs the next budget its sensitivity pass, never this one its result
     dtype_bytes = torch.empty((), dtype=DTYPES[recipe.dtype]).element_size()
     options = {u.name: {label: (unit_bytes(u, next(c for c in choices if c.label == label), dtype_bytes), kl)
-                        for label, kl in sens[u.name].items()} for u in units}
+                        for label, kl in sens[u.name].items() if not (u.table and recipe.embeddings == "w8" and label == "dense")}
+               for u in units}
     unit_params = sum(o * i for u in units for o, i in u.shapes)
     fixed_bytes = (sum(p.numel() for p in model.parameters()) - unit_params) * dtype_bytes  # (a tied head counts once)
     del model
@@ -201,7 +207,7 @@ def _sensitivity_file(path: Path, choices: list[Choice], calib: CalibConfig, rec
 
     files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in weight_files(path)]
     code = (Path(__file__).parent / "sensitivity.py").read_bytes()
-    key = hashlib.sha256(json.dumps([str(path.resolve()), files, [c.label for c in choices], recipe.symmetric, recipe.dtype,
+    key = hashlib.sha256(json.dumps([str(path.resolve()), files, [c.label for c in choices], recipe.symmetric, recipe.dtype, recipe.embeddings != "dense",
                                      [calib.source, calib.samples, calib.seqlen, calib.seed, calib.split, calib.column,
                                       calib.chat_template], SENSITIVITY_ROWS, hashlib.sha256(code).hexdigest()]).encode())
     return cache_dir() / "sensitivity" / f"{key.hexdigest()[:24]}.json"

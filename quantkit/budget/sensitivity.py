@@ -25,7 +25,7 @@ from quantkit.quant.rtn import rtn
 KEEP_ERRORS_BYTES = 2 << 30  # every Linear's Q(W) - W per choice is kept (bf16) up to this; beyond, made again per row
 
 
-def weight_errors(module: nn.Linear, choices: list[Choice], unit: Unit, scale_dtype: torch.dtype) -> dict[str, Tensor]:
+def weight_errors(module: nn.Linear | nn.Embedding, choices: list[Choice], unit: Unit, scale_dtype: torch.dtype) -> dict[str, Tensor]:
     """Q(W) − W [out, in] per quantized choice that fits the unit (round-to-nearest, as the checkpoint would round)."""
     from quantkit.kernels.fused import native_bf16
 
@@ -36,13 +36,16 @@ def weight_errors(module: nn.Linear, choices: list[Choice], unit: Unit, scale_dt
 
 
 @torch.no_grad()
-def _accumulate(acc: dict[str, Tensor], x: Tensor, g: Tensor, errors: dict[str, Tensor]) -> None:
-    """acc[choice] += Σ g² (x ΔWᵀ)²; the products in the errors' dtype (bf16 where the CPU multiplies it natively:
-    a prediction needs two digits, not seven)."""
+def _accumulate(acc: dict[str, Tensor], x: Tensor, g: Tensor, errors: dict[str, Tensor], scale: Tensor | None) -> None:
+    """acc[choice] += Σ g² Δy²: Δy = x ΔWᵀ for a Linear (the products in the errors' dtype, bf16 where the CPU
+    multiplies it natively: a prediction needs two digits, not seven); for an embedding x holds token ids and Δy is
+    ΔW's rows (times the family's embedding scale)."""
     g2 = g.reshape(-1, g.shape[-1]).float().pow(2)
-    x = x.reshape(-1, x.shape[-1])
+    lookup = not x.is_floating_point()
+    x = x.reshape(-1) if lookup else x.reshape(-1, x.shape[-1])
     for label, dw in errors.items():
-        acc[label] += (g2 * (x.to(dw.dtype) @ dw.t()).float().pow(2)).sum().double()
+        dy = dw[x].float() * (1 if scale is None else scale.float()) if lookup else (x.to(dw.dtype) @ dw.t()).float()
+        acc[label] += (g2 * dy.pow(2)).sum().double()
 
 
 def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], rows: Tensor, scale_dtype: torch.dtype,
@@ -51,8 +54,8 @@ def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], ro
     Dense is 0; a choice whose group does not divide a unit's widths is left out for that unit."""
     modules = {m: model.get_submodule(m) for u in units for m in u.modules}
     unit_of = {m: u for u in units for m in u.modules}
-    quantized = sum(c.scheme is not None for c in choices)
-    keep_errors = sum(mod.weight.numel() for mod in modules.values()) * quantized * 2 <= KEEP_ERRORS_BYTES
+    fitting = {m: sum(c.scheme is not None and fits(c, unit_of[m]) for c in choices) for m in modules}
+    keep_errors = sum(mod.weight.numel() * fitting[m] for m, mod in modules.items()) * 2 <= KEEP_ERRORS_BYTES
     errors = {m: weight_errors(mod, choices, unit_of[m], scale_dtype) for m, mod in modules.items()} if keep_errors else {}
     error_of = (lambda m: errors[m]) if keep_errors else (lambda m: weight_errors(modules[m], choices, unit_of[m], scale_dtype))
     acc = {m: {c.label: torch.zeros((), dtype=torch.float64) for c in choices if c.scheme is not None and fits(c, unit_of[m])}
@@ -61,14 +64,20 @@ def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], ro
         p.requires_grad_(False)
     saved: dict[str, Tensor] = {}
 
-    def keep(name):
+    def keep(key, name):  # `key` the module hooked, `name` the one whose error it carries (a tied head: the embedding's)
         def hook(module, args, out):
-            saved[name] = args[0].detach()
-            out.register_hook(lambda g: _accumulate(acc[name], saved.pop(name), g, error_of(name)))
+            if isinstance(module, nn.Embedding):
+                out.requires_grad_()
+            saved[key] = args[0].detach()
+            scale = getattr(module, "embed_scale", None)
+            out.register_hook(lambda g: _accumulate(acc[name], saved.pop(key), g, error_of(name), scale))
         return hook
 
-    embed = model.get_input_embeddings()
-    handles = [mod.register_forward_hook(keep(m)) for m, mod in modules.items()]
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    hooked = [(m, mod, m) for m, mod in modules.items()]
+    if "model.embed_tokens" in modules and head is not None and head.weight is embed.weight:
+        hooked.append(("lm_head", head, "model.embed_tokens"))  # the tied head quantizes with the table
+    handles = [mod.register_forward_hook(keep(key, m)) for key, mod, m in hooked]
     handles.append(embed.register_forward_hook(lambda module, args, out: out.requires_grad_()))
     gen = torch.Generator().manual_seed(seed)
     tokens = 0

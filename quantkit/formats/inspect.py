@@ -59,6 +59,7 @@ class Inspection:
     mix: dict[str, int] = field(default_factory=dict)  # storage label -> decoder-layer Linears stored so (a budget's mix)
     per_layer: list[dict[str, str]] = field(default_factory=list)  # with a mix: per layer, Linear -> storage label
     method: str | None = None  # from quantkit.json, when quantkit wrote it
+    tables: dict[str, str] = field(default_factory=dict)  # the embedding and head -> storage ("tied" for a tied head)
 
     @property
     def ratio(self) -> float:
@@ -89,6 +90,7 @@ def inspect_checkpoint(path: Path) -> Inspection:
     rows: dict[tuple[str, str], ModuleRow] = {}
     mix: dict[str, int] = {}
     per_layer: dict[int, dict[str, str]] = {}
+    tables: dict[str, str] = {}
     for key, h in headers.items():
         nbytes = math.prod(h["shape"]) * DTYPE_BYTES.get(h["dtype"], 2)
         tensor_bytes += nbytes
@@ -110,6 +112,8 @@ def inspect_checkpoint(path: Path) -> Inspection:
             mix[label] = mix.get(label, 0) + 1
             layer, sub = re.match(r".*?\.layers\.(\d+)\.(.+?)(?:\.weight)?$", module).groups()
             per_layer.setdefault(int(layer), {})[sub] = label
+        if (table := module.removesuffix(".weight")) in ("model.embed_tokens", "lm_head"):
+            tables[table] = label
         role = LAYER_INDEX.sub(".layers.*.", module)
         row = rows.setdefault((role, label), ModuleRow(role, 0, shape, label))
         row.count += 1
@@ -138,6 +142,7 @@ def inspect_checkpoint(path: Path) -> Inspection:
         mix=mix,
         per_layer=[per_layer[i] for i in sorted(per_layer)] if len(mix) > 1 else [],
         method=_method(path),
+        tables={**tables, **({"lm_head": "tied"} if "lm_head" not in tables and "model.embed_tokens" in tables else {})},
     )
 
 

@@ -65,19 +65,28 @@ def quant_config_of(path: Path) -> dict[str, Any] | None:
 
 
 def scheme_for(module: str, quant_config: dict[str, Any]) -> Scheme:
-    """The weight scheme of the config group whose targets match this packed module."""
+    """The weight scheme of the config group whose targets match this packed module, as compressed-tensors and vLLM
+    rank them: an exact name first, then a `re:` pattern, then the class name."""
+    found = []
     for group in quant_config.get("config_groups", {}).values():
-        if any(_target_matches(module, t) for t in group.get("targets", [])):
-            w = group["weights"]
-            group_size = w.get("group_size") if w.get("strategy") == "group" else None
-            return Scheme(bits=int(w["num_bits"]), group_size=group_size, symmetric=bool(w.get("symmetric", True)))
-    raise QuantkitError(f"checkpoint has packed weights for {module} but no config group targets it")
+        ranks = [r for t in group.get("targets", []) if (r := _target_rank(module, t)) is not None]
+        if ranks:
+            found.append((min(ranks), len(found), group["weights"]))
+    if not found:
+        raise QuantkitError(f"checkpoint has packed weights for {module} but no config group targets it")
+    w = min(found)[2]
+    group_size = w.get("group_size") if w.get("strategy") == "group" else None
+    return Scheme(bits=int(w["num_bits"]), group_size=group_size, symmetric=bool(w.get("symmetric", True)))
 
 
-def _target_matches(module: str, target: str) -> bool:
+def _target_rank(module: str, target: str) -> int | None:
+    """0: the exact name, 1: a matching `re:` pattern, 2: the class (Linear; Embedding for the embedding table)."""
+    if target == module:
+        return 0
     if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    return target == "Linear" or target == module  # only Linear weights are ever packed
+        return 1 if re.match(target[3:], module) else None
+    is_embedding = module.endswith("embed_tokens")
+    return 2 if target == ("Embedding" if is_embedding else "Linear") else None
 
 
 def packed_module(tensors: dict[str, Tensor], module: str, scheme: Scheme) -> tuple[Tensor, int, Tensor, Tensor | None]:

@@ -67,13 +67,14 @@ def kv_cache_args(strategy: str) -> dict[str, Any]:
 
 def quantization_config(
     scheme: Scheme | None, ignore: list[str], kv_strategy: str | None = None, actorder: str | None = None,
-    mix: dict[str, Scheme] | None = None,
+    mix: dict[str, Scheme] | None = None, tables: dict[str, Scheme] | None = None,
 ) -> dict[str, Any]:
     """config.json `quantization_config`: integer weights on Linear layers (scheme None: weights dense) and, with
     `kv_strategy`, a static FP8 KV cache. `mix` (module name -> scheme, a budget's choice): one config group per
-    scheme, its `targets` the exact module names, instead of one group on every Linear."""
+    scheme, its `targets` the exact module names, instead of one group on every Linear. `tables`: the quantized
+    vocabulary tables, by exact name (an exact name outranks the class name "Linear" in compressed-tensors and vLLM)."""
     targets = {scheme: ["Linear"]} if scheme is not None and mix is None else {}
-    for name, s in sorted((mix or {}).items()):
+    for name, s in sorted({**(mix or {}), **(tables or {})}.items()):
         targets.setdefault(s, []).append(name)
     groups = {}
     for i, (s, names) in enumerate(sorted(targets.items(), key=lambda kv: (kv[0].bits, kv[0].group_size or 1 << 30))):

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from quantkit import QuantkitError
 from quantkit.arch import LLAMA, SHARED, Arch
-from quantkit.config import DEFAULT_GROUP_4BIT, FALLBACK_GROUPS, Recipe, Scheme
+from quantkit.config import DEFAULT_GROUP_4BIT, FALLBACK_GROUPS, TABLE_SCHEME, Recipe, Scheme
 
 
 @dataclass(slots=True)
@@ -74,6 +74,18 @@ def routers(layers: nn.ModuleList, prefix: str, arch: Arch) -> list[str]:
     if arch.moe is None:
         return []
     return [f"{prefix}.{i}.{arch.moe.block}.gate" for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
+
+
+def vocab_tables(config: dict, recipe: Recipe, mix: dict[str, Scheme] | None = None) -> dict[str, Scheme]:
+    """The vocabulary tables to quantize (int8 per row, round-to-nearest: at 8 bits GPTQ would gain little), by
+    module name: the embedding, and the head when it is not tied to it (a tied head reads the embedding's int8 rows).
+    A budget's mix names them itself; otherwise `recipe.embeddings` (w8: both; dense: none)."""
+    if mix is not None:
+        return {n: s for n, s in mix.items() if n in ("model.embed_tokens", "lm_head")}
+    if recipe.embeddings != "w8":
+        return {}
+    names = ["model.embed_tokens"] + ([] if config.get("tie_word_embeddings") else ["lm_head"])
+    return dict.fromkeys(names, TABLE_SCHEME)
 
 
 def resolve_group_size(recipe: Recipe, targets: list[Target]) -> str | None:

@@ -68,6 +68,18 @@ class QuantWeight:
         return dequantize(self.q, self.scale, self.zero_point).to(dtype).contiguous()
 
 
+class QuantRows(nn.Module):
+    """An int8 embedding table, one scale per row: rows are dequantized as they are looked up, as compressed-tensors
+    dequantizes them (q * scale in float32, rounded once to the compute dtype)."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype):
+        super().__init__()
+        self.q, self.scale, self.dtype = weight.q, weight.scale, dtype  # int8 [vocab, hidden], [vocab, 1]
+
+    def __getitem__(self, ids: Tensor) -> Tensor:  # ids [T] -> [T, hidden]
+        return dequantize(self.q[ids], self.scale[ids], None).to(self.dtype)
+
+
 def fuse(weights: list[Tensor | QuantWeight]) -> Tensor | QuantWeight:
     """Concatenate along the output dimension (q/k/v, gate/up) so one matmul serves them all."""
     if len(weights) == 1:  # (already fused in the checkpoint: Phi-3)

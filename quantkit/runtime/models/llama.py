@@ -30,7 +30,7 @@ from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch, paged_attention
 from quantkit.runtime.layers.basic import RMSNorm, Rotary, gelu_tanh_mul, rotate_heads, silu_mul
 from quantkit.runtime.layers.decoder import FusedDecoder
-from quantkit.runtime.layers.linear import Linear, QuantWeight, fuse, to_device
+from quantkit.runtime.layers.linear import Linear, QuantRows, QuantWeight, fuse, to_device
 from quantkit.runtime.layers.moe import Routing, SparseMLP
 from quantkit.runtime.layers.panel_cache import PanelCache
 
@@ -198,18 +198,20 @@ class LlamaModel(nn.Module):
         cache = (PanelCache.of(path, {"dtype": dtype, "kernel": kernel, "lm_head": lm_head, "panels": predicted})
                  if self.fused else PanelCache(None))
         t2 = time.perf_counter()
-        embed = w.tensor("model.embed_tokens.weight")
-        # float32 compute keeps a 16-bit embedding as stored (rows widen exactly on lookup): not a second, 2x copy
-        self.embed = embed if dtype == torch.float32 and embed.element_size() == 2 else embed.to(dtype)
+        embed = w.linear("model.embed_tokens")  # dense, or int8 rows (quantize --embeddings w8)
+        if isinstance(embed, QuantWeight):
+            self.embed = QuantRows(embed, dtype)
+        else:  # float32 compute keeps a 16-bit embedding as stored (rows widen exactly on lookup): not a second, 2x copy
+            self.embed = embed if dtype == torch.float32 and embed.element_size() == 2 else embed.to(dtype)
         self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, arch, dtype, kernel, self.fused, cache) for i in range(cfg.num_layers))
         self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype, self.fused, arch.norm_offset)
         # (HF multiplies the looked-up rows by sqrt(hidden) rounded to the compute dtype)
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device) if arch.embed_scale else None
-        head = w.get("lm_head.weight")
-        tied = head is None or cfg.tie_word_embeddings
-        head = self.embed if tied else head
-        self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" else head, None, dtype, kernel, self.fused, head=True,
-                              cache=cache, name="lm_head")
+        tied = cfg.tie_word_embeddings or not ({"lm_head.weight", "lm_head" + PACKED} & w.tensors.keys())
+        head = embed if tied else w.linear("lm_head")
+        head = self.embed if tied and isinstance(head, Tensor) else head
+        self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" and isinstance(head, Tensor) else head, None, dtype,
+                              kernel, self.fused, head=True, cache=cache, name="lm_head")
         if tied and self.lm_head.mode == "bf16_panels":  # the embedding reads its rows from the head's panels: one copy
             self.embed = None
         self.rotary = {kind: Rotary(path, hf, dtype, device, kind) for kind in dict.fromkeys(cfg.kinds)}

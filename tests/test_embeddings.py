@@ -1,0 +1,109 @@
+"""Quantized vocabulary tables (`--embeddings w8`): the embedding and the head as int8 rows, one scale each, read
+by the runtime as compressed-tensors dequantizes them; a quantized untied head alone loads in HF transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import run_cli
+from safetensors.torch import load_file
+from test_budget import budgeted, texts  # noqa: F401  (a fixture)
+from test_cli import assert_one_line_error
+from test_runtime import prefill_logits
+
+from quantkit.formats.load import load_dequantized_model, scheme_for
+from quantkit.runtime.engine import EngineConfig, LLMEngine
+
+PROMPT = torch.tensor([1, 20, 31, 7, 99, 140, 8, 61])
+
+
+def _reference(path, dtype=torch.float32):
+    """Logits at the prompt's last position from quantkit's own dequantized reading of the checkpoint, in HF."""
+    with torch.no_grad():
+        return load_dequantized_model(path, dtype)(PROMPT[None]).logits[0, -1]
+
+
+def _close(got, want):
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("which", ["tiny_dir", "tiny_gemma_dir"])
+def test_w8_tables_are_int8_rows_the_runtime_reads(request, which, tmp_path, capsys):
+    """Untied Llama (embedding and head each int8) and tied Gemma 3 (one int8 table, looked up and scaled by
+    sqrt(hidden), and read again as the head): the runtime's logits are HF's on the dequantized weights."""
+    src = request.getfixturevalue(which)
+    out = tmp_path / "q"
+    code, _, err = run_cli(capsys, "quantize", str(src), "-o", str(out), "--bits", "4", "--group-size", "32",
+                           "--embeddings", "w8", "-q")
+    assert code == 0, err
+    tied = json.loads((src / "config.json").read_text()).get("tie_word_embeddings", False)
+    tables = ["model.embed_tokens"] + ([] if tied else ["lm_head"])
+    tensors = load_file(out / "model.safetensors")
+    for t in tables:
+        assert tensors[f"{t}.weight_packed"].dtype == torch.int32 and tensors[f"{t}.weight_scale"].shape[1] == 1
+        assert f"{t}.weight" not in tensors
+    assert "lm_head.weight" not in tensors
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    table_group = next(g for g in qc["config_groups"].values() if g["targets"] != ["Linear"])
+    assert sorted(table_group["targets"]) == sorted(tables)
+    assert (table_group["weights"]["num_bits"], table_group["weights"]["strategy"]) == (8, "channel")
+    assert "lm_head" not in qc["ignore"] or tied
+    assert scheme_for("model.embed_tokens", qc).bits == 8 and scheme_for("model.layers.0.mlp.up_proj", qc).bits == 4
+
+    want = _reference(out)
+    for kernel in ("reference", "packed"):
+        engine = LLMEngine(out, EngineConfig(dtype="fp32", kernel=kernel))
+        got = prefill_logits(engine, PROMPT)
+        if kernel == "reference":
+            _close(got, want)
+        else:  # the int8 head on the panel GEMM: same greedy token, logits to the kernel's rounding
+            assert got.argmax() == want.argmax() and (got - want).abs().max() < 1e-2 * want.abs().max()
+    code, stdout, _ = run_cli(capsys, "inspect", str(out), "--json")
+    assert code == 0
+
+
+def test_a_quantized_untied_head_alone_loads_in_hf(tiny_dir, tmp_path):
+    """The head as a budget may leave it (int8 rows, the embedding dense): HF transformers builds it as a quantized
+    Linear with no missing or unexpected weights, and agrees with the runtime."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.config import TABLE_SCHEME, Recipe
+    from quantkit.quantize import run_quantize
+    from quantkit.ui import Reporter
+
+    out = tmp_path / "head"
+    run_quantize(str(tiny_dir), out, Recipe(method="rtn", bits=4, group_size=32), 1 << 30, False, Reporter(True),
+                 mix={"lm_head": TABLE_SCHEME, "model.layers.0.mlp.down_proj": TABLE_SCHEME})
+    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        want = hf.eval()(PROMPT[None]).logits[0, -1]
+    _close(want, _reference(out))
+    _close(prefill_logits(LLMEngine(out, EngineConfig(dtype="fp32", kernel="reference")), PROMPT), want)
+
+
+def test_a_budget_decides_the_tables(tiny_dir, texts, tmp_path, capsys):  # noqa: F811
+    """`--embeddings auto`: each table is a unit with dense and int8 rows, its sensitivity measured like a Linear's;
+    what the budget chose is what the checkpoint holds."""
+    out = tmp_path / "auto"
+    code, stdout, err = budgeted(capsys, tiny_dir, out, texts, "--budget", "bits=6", "--embeddings", "auto")
+    assert code == 0, err
+    report = json.loads(stdout)
+    tables = {u["name"]: u for u in report["units"] if not u["name"].startswith("model.layers.")}
+    assert set(tables) == {"model.embed_tokens", "lm_head"}
+    for u in tables.values():
+        assert set(u["sensitivity"]) == {"w8", "dense"} and u["sensitivity"]["w8"] > 0
+    tensors = load_file(out / "model.safetensors")
+    for name, u in tables.items():
+        assert (f"{name}.weight_packed" in tensors) == (u["choice"] == "w8")
+    assert report["average_bits"] <= 6
+
+
+def test_embeddings_flag_errors_are_one_line(tiny_dir, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "auto")
+    assert_one_line_error(code, err, "--embeddings auto needs --budget")
+    code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "w4")
+    assert_one_line_error(code, err, "--embeddings must be one of dense, w8, auto")
+    assert not (tmp_path / "x").exists()
