@@ -8,6 +8,7 @@ own size). Prints a table, writes JSON and a PNG. Usage:
 
     python bench/budget_pareto.py --baseline smollm2-135m --out pareto \\
         w4-rtn=OUT-W4 w4-gptq=OUT-GPTQ w8=OUT-W8 Q4_K_M=model-Q4_K_M.gguf kl=0.05=OUT-KL05 ...
+    python bench/budget_pareto.py --baseline smollm2-135m --out pareto2 --with pareto/pareto.json kl=0.02=OUT-KL02
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--with", dest="earlier", type=Path, action="append", default=[],
+                    help="an earlier run's pareto.json to show beside these (kept only if its baseline ppl and token "
+                         "count are this run's: the same baseline and held-out tokens)")
     ap.add_argument("candidates", nargs="+", help="NAME=MODEL")
     args = ap.parse_args()
 
@@ -75,6 +79,13 @@ def main() -> None:
         results.append({"name": name, "model": spec, "bytes": size_of(spec), "linear_bits": linear_bits(spec),
                         "kl_mean": kl.mean().item(), "ppl": math.exp(torch.cat(stats[name]["nll"]).double().mean().item()),
                         "ppl_baseline": ppl_base, "tokens": kl.numel()})
+    for earlier in args.earlier:
+        for r in json.loads(earlier.read_text()):
+            same = abs(r["ppl_baseline"] - ppl_base) < 1e-6 * ppl_base and r["tokens"] == results[0]["tokens"]
+            if not same:
+                raise SystemExit(f"{earlier}: {r['name']} was measured on other tokens or another baseline")
+            if r["name"] not in {x["name"] for x in results}:
+                results.append(r)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pareto.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"\n| checkpoint | size (MB) | bits / Linear weight | mean KL | ppl (baseline {ppl_base:.3f}) |")
