@@ -179,7 +179,7 @@ def skeleton(path: Path, compute_dtype: torch.dtype, device: str) -> torch.nn.Mo
 
     config = read_config(path)
     arch_of(config, path)
-    with _quiet_transformers():
+    with quiet_transformers():
         hf_config = AutoConfig.from_pretrained(path)
         hf_config.use_cache = False
         with torch.device("meta"):
@@ -251,7 +251,7 @@ def open_tokenizer(path: Path):
 
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
         raise QuantkitError(f"no tokenizer in {path}")  # (transformers 5 would make an empty one, which encodes nothing)
-    with _quiet_transformers():
+    with quiet_transformers():
         if plain(path):  # AutoTokenizer's tokenizer without its seconds of importing model configs
             from transformers import PreTrainedTokenizerFast
 
@@ -301,7 +301,7 @@ def _no_tqdm():
         tqdm.tqdm.__init__ = original
 
 
-class _quiet_transformers:
+class quiet_transformers:
     """Silence transformers' own progress bars and info logs: quantkit shows its own progress."""
 
     def __enter__(self):

@@ -73,9 +73,9 @@ def run_hf(path: Path, w: Workload, prompts: list[list[int]], dtype: torch.dtype
     """HF `generate` on the same prompts as one left-padded batch, greedy, exactly output_len tokens."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.models import _no_tqdm, _quiet_transformers
+    from quantkit.models import _no_tqdm, quiet_transformers
 
-    with _quiet_transformers(), _no_tqdm():
+    with quiet_transformers(), _no_tqdm():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         model(input_ids=torch.zeros(1, 1, dtype=torch.long))  # compressed-tensors decompresses on the first call
     ids = torch.tensor(prompts)

@@ -72,7 +72,7 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
 
     from quantkit.eval.backends import RuntimeBackend
     from quantkit.eval.kl import distribution
-    from quantkit.models import DTYPES, _quiet_transformers, decoder_layers, load_tokenizer
+    from quantkit.models import DTYPES, decoder_layers, load_tokenizer, quiet_transformers
     from quantkit.quantize import open_source, run_quantize
 
     check_output(out, force)
@@ -88,7 +88,7 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
         raise QuantkitError(f"--budget needs the model's tokenizer (for calibration and held-out rows); {resolved.path} has none")
     heldout_rows = eval_rows(tokenizer, HELDOUT_SEQLEN, HELDOUT_ROWS, heldout)  # fails early on too little text
     with ui.step("loading the dense model for the sensitivity pass"):
-        with _quiet_transformers():
+        with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval()
     units = units_of(decoder_layers(model), "model.layers", arch)
     choices = parse_choices(choices_text, units, recipe.symmetric)

@@ -28,9 +28,9 @@ class TokenizerMixin:
     def _load_tokenizer(self, path: Path) -> None:
         from transformers import AutoTokenizer
 
-        from quantkit.models import _quiet_transformers
+        from quantkit.models import quiet_transformers
 
-        with _quiet_transformers():
+        with quiet_transformers():
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
@@ -85,11 +85,11 @@ class HFBackend(TokenizerMixin):
         if self._model is None:
             from transformers import AutoModelForCausalLM
 
-            from quantkit.models import _no_tqdm, _quiet_transformers
+            from quantkit.models import _no_tqdm, quiet_transformers
 
             # compressed-tensors draws bars of its own while loading and on the first forward, when it
             # decompresses: run that forward here, silenced.
-            with _quiet_transformers(), _no_tqdm(), torch.no_grad():
+            with quiet_transformers(), _no_tqdm(), torch.no_grad():
                 self._model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).eval()
                 self._model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self._model.device), use_cache=False)
         return self._model

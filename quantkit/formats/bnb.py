@@ -36,20 +36,20 @@ def bnb_config(method: str, dtype: torch.dtype):
 def run_bnb(resolved, out: Path, recipe, force: bool, ui):
     from transformers import AutoModelForCausalLM
 
-    from quantkit.models import DTYPES, _quiet_transformers, load_tokenizer
+    from quantkit.models import DTYPES, load_tokenizer, quiet_transformers
     from quantkit.quantize import QuantizeResult
 
     dtype = DTYPES[recipe.dtype]
     start = time.perf_counter()
     config = bnb_config(recipe.method, dtype)
-    with ui.step(f"quantizing with bitsandbytes ({recipe.method})"), _quiet_transformers():
+    with ui.step(f"quantizing with bitsandbytes ({recipe.method})"), quiet_transformers():
         try:
             model = AutoModelForCausalLM.from_pretrained(resolved.path, quantization_config=config, device_map="cpu", dtype=dtype)
         except Exception as e:
             raise QuantkitError(f"bitsandbytes cannot run {recipe.method} on this machine's CPU: {type(e).__name__}: {e}") from e
     quantize_s = round(time.perf_counter() - start, 3)
     start = time.perf_counter()
-    with atomic_dir(out, force) as tmp, _quiet_transformers():
+    with atomic_dir(out, force) as tmp, quiet_transformers():
         model.save_pretrained(tmp)
         tokenizer = load_tokenizer(resolved.path)
         if tokenizer is not None:

@@ -140,10 +140,10 @@ def convert(path: Path, out: Path, name: str, dtype: torch.dtype = torch.bfloat1
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from quantkit.formats.save import ShardWriter
-    from quantkit.models import _quiet_transformers
+    from quantkit.models import quiet_transformers
 
     check_architecture(path)
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
