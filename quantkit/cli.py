@@ -353,10 +353,13 @@ def eval_(
 
 @app.command(
     "serve",
+    context_settings={"allow_extra_args": True},
     epilog="Example: quantkit serve smollm2-w4 --port 8000  |  curl localhost:8000/v1/chat/completions "
-    "-H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+    "-H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'  |  "
+    "on vLLM, two GPUs: quantkit serve smollm2-w4 --engine vllm --tensor-parallel-size 2 -- --gpu-memory-utilization 0.8",
 )
 def serve(
+    ctx: typer.Context,
     model: str = typer.Argument(..., help="A checkpoint directory (quantkit or HF), hub id, or smollm2-135m."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; the default answers this machine only."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
@@ -379,9 +382,17 @@ def serve(
     ngram_min: int = typer.Option(2, "--ngram-min", help="With --speculative ngram: shortest suffix looked up in the context."),
     ngram_max: int = typer.Option(4, "--ngram-max", help="With --speculative ngram: longest suffix looked up (tried first)."),
     speculative_max_batch: int = typer.Option(4, "--speculative-max-batch", help="With --speculative: no drafts when more sequences run."),
+    engine: str = typer.Option("quantkit", "--engine", help="quantkit (this process) or vllm (vLLM's server on the same "
+                               "checkpoint; arguments after -- go to vLLM as they are)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", help="With --engine vllm: GPUs a layer is split over."),
+    pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size", "-pp", help="With --engine vllm: stages the layers are split into."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="With --engine vllm: the longest sequence.  [default: the model's]"),
+    vllm_bin: str | None = typer.Option(None, "--vllm", envvar="QUANTKIT_VLLM", help="With --engine vllm: vLLM's `vllm` "
+                                        "executable (its own environment).  [default: `vllm` on PATH]"),
     debug: bool = DEBUG,
 ) -> None:
-    """Serve a checkpoint with an OpenAI-compatible API (chat, completions, streaming, tools) on quantkit's engine."""
+    """Serve a checkpoint with an OpenAI-compatible API (chat, completions, streaming, tools) on quantkit's engine,
+    or on vLLM's with --engine vllm."""
     from quantkit import QuantkitError
     from quantkit.models import resolve
     from quantkit.runtime import EngineConfig
@@ -392,10 +403,29 @@ def serve(
         raise QuantkitError(f"--port {port}: use 1-65535")
     if max_num_seqs < 1 or max_waiting < 0 or max_num_batched_tokens < 1:
         raise QuantkitError("--max-num-seqs and --max-num-batched-tokens must be >= 1, --max-waiting >= 0")
+    if engine not in ("quantkit", "vllm"):
+        raise QuantkitError(f"--engine {engine}: use quantkit or vllm")
+    if engine == "quantkit" and (ctx.args or tensor_parallel_size != 1 or pipeline_parallel_size != 1 or max_model_len):
+        raise QuantkitError("arguments after --, --tensor-parallel-size, --pipeline-parallel-size and --max-model-len "
+                            "are for --engine vllm")
+    if engine == "vllm" and (kernel != "auto" or lm_head != "auto"):
+        raise QuantkitError("--kernel and --lm-head choose quantkit's kernels; vLLM picks its own")
     ui = Reporter()
     path = resolve(model, status=ui.note, bar=ui.bar).path
     name = served_model_name or (model if not Path(model).exists() else Path(model).resolve().name)
     memory = None if kv_cache_memory is None else int(kv_cache_memory * 2**30)
+    if engine == "vllm":
+        from quantkit.server.vllm import VllmLaunch, find_vllm, run_vllm, vllm_args
+
+        command = find_vllm(vllm_bin)  # vLLM missing: one line naming the install, before anything else
+        if speculative not in (None, "ngram"):
+            raise QuantkitError(f"--speculative {speculative}: use ngram")
+        draft_path = str(resolve(draft, status=ui.note, bar=ui.bar).path) if draft else None
+        launch = VllmLaunch(path, host, port, name, api_key, max_model_len, max_num_seqs, kv_cache_dtype, memory,
+                            tensor_parallel_size, pipeline_parallel_size, draft_path,
+                            (ngram_min, ngram_max) if speculative else None, num_speculative_tokens, list(ctx.args))
+        _port_free(host, port)
+        raise typer.Exit(run_vllm(command + vllm_args(launch), launch, ui.note))
     engine_cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, kernel=kernel,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, lm_head=lm_head,
                               speculative=_speculative(speculative, draft, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch))
