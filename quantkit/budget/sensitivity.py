@@ -4,7 +4,8 @@ For a small change δ in the logits, KL(p || p + δ) ≈ ½ δᵀ F δ, with F t
 output distribution. Pulled back to a Linear's output y, F is E[g gᵀ] for g = ∂(−log p(t)) / ∂y with the token t
 drawn from the model itself; quantizing the Linear changes y by Δy = x (Q(W) − W)ᵀ. So the KL a unit adds is
 predicted as ½ Σ g² Δy² over its Linears' outputs and the tokens (F's diagonal, one drawn token per position), divided
-by the tokens. The stated approximations: F's diagonal only; units add (the KL of a mix is the sum of its units');
+by the tokens. A vocabulary table (`--embeddings auto`) is scored the same way at the embedding's output, Δy the
+looked-up rows' error, plus, when the head is tied to it, at the logits. The stated approximations: F's diagonal only; units add (the KL of a mix is the sum of its units');
 Q is round-to-nearest (GPTQ and AWQ lose less, so a mix quantized with them comes in under its prediction).
 
 Cost: per calibration row one forward and one backward of the dense model (about three forwards) plus, per
