@@ -415,9 +415,11 @@ def serve(
     name = served_model_name or (model if not Path(model).exists() else Path(model).resolve().name)
     memory = None if kv_cache_memory is None else int(kv_cache_memory * 2**30)
     if engine == "vllm":
-        from quantkit.server.vllm import VllmLaunch, find_vllm, run_vllm, vllm_args
+        from quantkit.server.vllm import VllmLaunch, caveat, find_vllm, run_vllm, vllm_args
 
         command = find_vllm(vllm_bin)  # vLLM missing: one line naming the install, before anything else
+        if note := caveat(path):
+            ui.note(note)
         if speculative not in (None, "ngram"):
             raise QuantkitError(f"--speculative {speculative}: use ngram")
         draft_path = str(resolve(draft, status=ui.note, bar=ui.bar).path) if draft else None

@@ -74,6 +74,19 @@ def test_the_command_carries_quantkits_flags(tmp_path):
     assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
+def test_an_int8_embedding_is_named_before_vllm_starts(tmp_path):
+    from quantkit.server.vllm import caveat
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    qc = {"config_groups": {"group_0": {"targets": ["Linear"]}, "group_1": {"targets": ["model.embed_tokens"]}}}
+    (ckpt / "config.json").write_text(json.dumps({"quantization_config": qc, "tie_word_embeddings": True}))
+    assert "int8 embedding" in caveat(ckpt) and "tied" in caveat(ckpt)
+    qc["config_groups"].pop("group_1")
+    (ckpt / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    assert caveat(ckpt) is None
+
+
 def test_vllm_missing_is_one_line(tiny_dir, capsys, monkeypatch):
     monkeypatch.delenv("QUANTKIT_VLLM", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")

@@ -78,6 +78,17 @@ def has_kv_scales(checkpoint: Path) -> bool:
     return bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
 
 
+def caveat(checkpoint: Path) -> str | None:
+    """What vLLM (0.32) is known not to load in a quantkit checkpoint, said before it is started."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    groups = ((config.get("quantization_config") or {}).get("config_groups") or {}).values()
+    if any("model.embed_tokens" in g.get("targets", []) for g in groups):
+        tied = " and it is tied to the head" if config.get("tie_word_embeddings") else ""
+        return (f"{checkpoint.name} has an int8 embedding (--embeddings w8){tied}: vLLM 0.32 looks up an int8 embedding only "
+                "on GPU and cannot use one as a tied head")
+    return None
+
+
 def vllm_args(launch: VllmLaunch) -> list[str]:
     """`vllm serve` arguments equivalent to quantkit's serve flags."""
     args = ["--model", str(launch.checkpoint), "--host", launch.host, "--port", str(launch.port),
