@@ -46,6 +46,7 @@ class Scheme:
 
 
 EMBEDDINGS = ("dense", "w8", "auto")
+EMBED, HEAD = "model.embed_tokens", "lm_head"  # the vocabulary tables, as the checkpoint names them
 TABLE_SCHEME = Scheme(bits=8, group_size=None, symmetric=True)  # a quantized vocabulary table: int8, one scale per row
 
 

@@ -56,8 +56,8 @@ from quantkit.models import (
     weight_files,
 )
 from quantkit.quant.apply import Target, find_targets, matches, resolve_group_size, routers, vocab_tables
-from quantkit.quant.rtn import rtn
 from quantkit.quant.kv_fp8 import kv_scale
+from quantkit.quant.rtn import rtn
 from quantkit.ui import Reporter
 
 CALIB_BATCH = 8  # calibration rows run through a layer at once

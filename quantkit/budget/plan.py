@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from quantkit import QuantkitError
 from quantkit.arch import Arch
-from quantkit.config import DEFAULT_GROUP_4BIT, FALLBACK_GROUPS, Scheme
+from quantkit.config import DEFAULT_GROUP_4BIT, EMBED, FALLBACK_GROUPS, HEAD, Scheme
 from quantkit.formats.save import parse_size
 
 BUDGET_KINDS = ("kl", "bits", "size")
@@ -102,10 +102,10 @@ def with_table_choices(choices: list[Choice], symmetric: bool = True) -> list[Ch
 def table_units(model) -> list[Unit]:
     """The embedding (its tied head with it: one table) and an untied head, as budget units."""
     embed = model.get_input_embeddings()
-    units = [Unit("model.embed_tokens", -1, ["model.embed_tokens"], [tuple(embed.weight.shape)], table=True)]
+    units = [Unit(EMBED, -1, [EMBED], [tuple(embed.weight.shape)], table=True)]
     head = model.get_output_embeddings()
     if head is not None and head.weight is not embed.weight:
-        units.append(Unit("lm_head", -1, ["lm_head"], [tuple(head.weight.shape)], table=True))
+        units.append(Unit(HEAD, -1, [HEAD], [tuple(head.weight.shape)], table=True))
     return units
 
 

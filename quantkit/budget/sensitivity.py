@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from quantkit.budget.plan import Choice, Unit, fits
+from quantkit.config import EMBED, HEAD
 from quantkit.quant.rtn import rtn
 
 KEEP_ERRORS_BYTES = 2 << 30  # every Linear's Q(W) - W per choice is kept (bf16) up to this; beyond, made again per row
@@ -78,8 +79,8 @@ def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], ro
 
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     hooked = [(m, mod, m) for m, mod in modules.items()]
-    if "model.embed_tokens" in modules and head is not None and head.weight is embed.weight:
-        hooked.append(("lm_head", head, "model.embed_tokens"))  # the tied head quantizes with the table
+    if EMBED in modules and head is not None and head.weight is embed.weight:
+        hooked.append((HEAD, head, EMBED))  # the tied head quantizes with the table
     handles = [mod.register_forward_hook(keep(key, m)) for key, mod, m in hooked]
     handles.append(embed.register_forward_hook(lambda module, args, out: out.requires_grad_()))
     gen = torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit import QuantkitError
+from quantkit.config import EMBED, HEAD
 from quantkit.formats.load import (
     PACKED,
     quant_config_of,
@@ -112,7 +113,7 @@ def inspect_checkpoint(path: Path) -> Inspection:
             mix[label] = mix.get(label, 0) + 1
             layer, sub = re.match(r".*?\.layers\.(\d+)\.(.+?)(?:\.weight)?$", module).groups()
             per_layer.setdefault(int(layer), {})[sub] = label
-        if (table := module.removesuffix(".weight")) in ("model.embed_tokens", "lm_head"):
+        if (table := module.removesuffix(".weight")) in (EMBED, HEAD):
             tables[table] = label
         role = LAYER_INDEX.sub(".layers.*.", module)
         row = rows.setdefault((role, label), ModuleRow(role, 0, shape, label))
@@ -142,7 +143,7 @@ def inspect_checkpoint(path: Path) -> Inspection:
         mix=mix,
         per_layer=[per_layer[i] for i in sorted(per_layer)] if len(mix) > 1 else [],
         method=_method(path),
-        tables={**tables, **({"lm_head": "tied"} if "lm_head" not in tables and "model.embed_tokens" in tables else {})},
+        tables={**tables, **({HEAD: "tied"} if HEAD not in tables and EMBED in tables else {})},
     )
 
 

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from quantkit import QuantkitError
 from quantkit.arch import LLAMA, SHARED, Arch
-from quantkit.config import DEFAULT_GROUP_4BIT, FALLBACK_GROUPS, TABLE_SCHEME, Recipe, Scheme
+from quantkit.config import DEFAULT_GROUP_4BIT, EMBED, FALLBACK_GROUPS, HEAD, TABLE_SCHEME, Recipe, Scheme
 
 
 @dataclass(slots=True)
@@ -81,10 +81,10 @@ def vocab_tables(config: dict, recipe: Recipe, mix: dict[str, Scheme] | None = N
     module name: the embedding, and the head when it is not tied to it (a tied head reads the embedding's int8 rows).
     A budget's mix names them itself; otherwise `recipe.embeddings` (w8: both; dense: none)."""
     if mix is not None:
-        return {n: s for n, s in mix.items() if n in ("model.embed_tokens", "lm_head")}
+        return {n: s for n, s in mix.items() if n in (EMBED, HEAD)}
     if recipe.embeddings != "w8":
         return {}
-    names = ["model.embed_tokens"] + ([] if config.get("tie_word_embeddings") else ["lm_head"])
+    names = [EMBED] + ([] if config.get("tie_word_embeddings") else [HEAD])
     return dict.fromkeys(names, TABLE_SCHEME)
 
 

