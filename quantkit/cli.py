@@ -97,6 +97,9 @@ def quantize(
     calib_cfg = CalibConfig(calib, calib_samples, calib_seqlen, seed, calib_split, calib_column, chat_template)
     if spec.embeddings == "auto" and budget is None:
         raise QuantkitError("--embeddings auto needs --budget (the budget decides); use dense or w8 without one")
+    if spec.embeddings != "dense" and spec.method.startswith("bnb"):
+        raise QuantkitError(f"--embeddings {spec.embeddings} writes compressed-tensors int8 tables; {spec.method} checkpoints "
+                            "keep bitsandbytes' own layout (use --method rtn, gptq or awq)")
     if budget is not None or choices is not None:
         from quantkit.budget.plan import parse_budget
         from quantkit.budget.run import run_budgeted

@@ -106,4 +106,6 @@ def test_embeddings_flag_errors_are_one_line(tiny_dir, tmp_path, capsys):
     assert_one_line_error(code, err, "--embeddings auto needs --budget")
     code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "w4")
     assert_one_line_error(code, err, "--embeddings must be one of dense, w8, auto")
+    code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "w8", "--method", "bnb-int8")
+    assert_one_line_error(code, err, "bitsandbytes' own layout")
     assert not (tmp_path / "x").exists()
