@@ -201,3 +201,63 @@ def test_offline_generate_tokenizes_text_with_the_bos_as_the_server_does(gemma27
     params = SamplingParams(max_tokens=4, temperature=0.0)
     out = llm.generate(text, params)[0]
     assert out.prompt_tokens == len(ids) and out.token_ids == llm.generate([ids], params)[0].token_ids
+
+
+def test_fp8_kv_scales_per_layer_cover_each_layers_keys(family, tmp_path):
+    """FP8 KV-cache scales for every layer, sliding and full alike, taken where the cache stores them: Gemma's keys
+    after its k norm and its layer kind's rope, Phi-3's from the fused qkv. HF's cache holds the same post-rope keys
+    (a sliding layer's only for its window): the scale is their absmax / 448 on a full layer and covers them on a
+    sliding one. The runtime decodes through the FP8 cache as it does through bf16, within FP8's rounding."""
+    import random
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from test_calibrated import SAMPLES, SEQLEN, calib_ids, quantize
+
+    name, path = family
+    rng = random.Random(0)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(f'{{"text": "{" ".join(f"w{rng.randrange(252)}" for _ in range(200))}"}}\n' for _ in range(12)))
+    quantize(path, tmp_path / "out", calib, method="none", kv_cache="fp8")  # weights dense: HF sees the same keys
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = calib_ids(path, calib)
+    assert ids.shape == (SAMPLES, SEQLEN)
+    with torch.no_grad():
+        cache = hf(ids, use_cache=True).past_key_values
+    with safe_open(str(tmp_path / "out/model.safetensors"), "pt") as f:
+        for i, window in enumerate(WINDOWS[name]):
+            for kind, held in (("k", cache.layers[i].keys), ("v", cache.layers[i].values)):
+                stored, seen = f.get_tensor(f"model.layers.{i}.self_attn.{kind}_scale").float().item(), held.abs().max().item() / 448
+                assert stored >= seen * 0.99, (kind, i)  # bf16 calibration forwards round a little
+                if not window:
+                    assert stored <= seen * 1.02, (kind, i)
+
+    prompt = torch.tensor(GEMMA_PROMPTS[4])
+    fp8 = LLMEngine(tmp_path / "out", EngineConfig(dtype="fp32", kv_cache_dtype="fp8", block_size=4))
+    plain = LLMEngine(tmp_path / "out", EngineConfig(dtype="fp32", kv_cache_dtype="bf16", block_size=4))
+    assert fp8.cache.k[0].dtype == torch.float8_e4m3fn
+    a, b = prefill_logits(fp8, prompt), prefill_logits(plain, prompt)
+    assert (a - b).abs().max().item() < 0.1 * b.abs().max().item() and a.argmax() == b.argmax()
+
+
+def test_the_layer_walk_feeds_each_layer_what_hf_does(family):
+    """The calibration walk runs each layer on its own kind's mask and rope (Gemma's sliding and full layers differ
+    in both): the inputs it hands each layer equal HF's hidden states there (float32, no weights changed)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.arch import arch_of
+    from quantkit.calib.sequential import first_layer_inputs, quantize_layer
+    from quantkit.config import build_recipe
+    from quantkit.models import decoder_layers, read_config
+
+    name, path = family
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([GEMMA_PROMPTS[4][:20], GEMMA_PROMPTS[2][:20]])  # longer than the 8-token window
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states
+    layers = decoder_layers(model)
+    batches = first_layer_inputs(model, layers, ids, 2, "cpu")
+    recipe, arch = build_recipe([], {"method": "none"}), arch_of(read_config(path))
+    for i, layer in enumerate(layers):
+        assert torch.allclose(batches[0].hidden, want[i], atol=1e-5, rtol=1e-4), (name, i)
+        _, batches = quantize_layer(layer, f"model.layers.{i}", [], batches, recipe, torch.bfloat16, arch)

@@ -45,7 +45,10 @@ class Batch:
 
 
 def layer_kind(layer: nn.Module) -> str:
-    return getattr(layer, "attention_type", None) or "all"
+    """Which of the model's kinds of layer (Gemma's "sliding_attention" / "full_attention"), "all" where one kind.
+    Older transformers name it on the decoder layer (`attention_type`), 5.x on its attention (`layer_type`)."""
+    attn = getattr(layer, "self_attn", None)
+    return getattr(layer, "attention_type", None) or getattr(attn, "layer_type", None) or "all"
 
 
 @dataclass(slots=True)
