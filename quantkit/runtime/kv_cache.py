@@ -100,6 +100,8 @@ class KVCache:
         if self.fp8:
             ks, vs = self._scales(layer)
             return cpu.dequantize_fp8(k, ks, self.compute_dtype), cpu.dequantize_fp8(v, vs, self.compute_dtype)
+        if k.dtype != self.compute_dtype:  # a narrower cache than the compute (--dtype fp32 --kv-cache-dtype bf16)
+            return k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
 
     def _scales(self, layer: int) -> tuple[Tensor, Tensor]:

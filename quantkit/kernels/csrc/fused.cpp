@@ -395,13 +395,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.size(1) % kc.size(2) == 0 && q.size(2) == kc.size(3), "decode_attention: head shapes");
   TORCH_CHECK(k.numel() == 0 || (k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()), "decode_attention: k/v in q's dtype");
   auto out = at::empty(q.sizes(), q.options());
-  const bool fp8 = kc.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(fp8 || kc.scalar_type() == q.scalar_type(), "decode_attention: cache in q's dtype or float8_e4m3fn");
+  const auto cache = kc.scalar_type();
+  const bool fp8 = cache == at::kFloat8_e4m3fn;
+  // float32 compute over a bf16/fp16 cache (--dtype fp32 --kv-cache-dtype bf16: half the KV memory without native bf16)
+  const bool narrow = q.scalar_type() == at::kFloat && (cache == at::kBFloat16 || cache == at::kHalf);
+  TORCH_CHECK(fp8 || narrow || cache == q.scalar_type(), "decode_attention: cache in q's dtype, bf16/fp16 under float32, or float8_e4m3fn");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     if (fp8)
       decode_attention_impl<scalar_t, c10::Float8_e4m3fn>(q, k, v, kc, vc, slots, tables, lengths, ks, vs, out);
-    else
+    else if (cache == q.scalar_type())
       decode_attention_impl<scalar_t, scalar_t>(q, k, v, kc, vc, slots, tables, lengths, ks, vs, out);
+    else if constexpr (std::is_same_v<scalar_t, float>) {
+      if (cache == at::kBFloat16)
+        decode_attention_impl<float, c10::BFloat16>(q, k, v, kc, vc, slots, tables, lengths, ks, vs, out);
+      else
+        decode_attention_impl<float, c10::Half>(q, k, v, kc, vc, slots, tables, lengths, ks, vs, out);
+    }
   });
   return out;
 }
