@@ -111,6 +111,16 @@ def spread(a: list[list[float]], b: list[list[float]]) -> dict:
     return {"max_logprob_diff": max(diffs), "mean_logprob_diff": sum(diffs) / len(diffs)}
 
 
+def greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
+    """HF's greedy tokens with the end of sequence taken like any other token, as vLLM's ignore_eos does (`generate`'s
+    min_new_tokens would mask it instead: a random test model often has it as its top token)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
 def local_side(path: Path, prompts: list[list[int]], max_tokens: int) -> dict:
     """HF transformers and quantkit's runtime on the checkpoint: greedy tokens and a scoring function each."""
     from transformers import AutoModelForCausalLM
@@ -127,9 +137,7 @@ def local_side(path: Path, prompts: list[list[int]], max_tokens: int) -> dict:
         from quantkit.formats.load import load_dequantized_model
 
         hf, hf_loader = load_dequantized_model(path, torch.float32), "quantkit's dequantized weights in transformers"
-    with torch.no_grad():
-        hf_tokens = [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    hf_tokens = [greedy(hf, p, max_tokens) for p in prompts]
     runtime = RuntimeBackend(path, "quantized")
     engine = runtime.engine
     ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)) for p in prompts]
