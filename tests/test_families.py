@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_cli
+from test_calibrated import calib_file  # noqa: F401  (the fixture: word sequences the tiny tokenizer knows)
 from test_runtime import hf_greedy, prefill_logits, run_staggered
 
 from quantkit.runtime.engine import EngineConfig, LLMEngine
@@ -203,24 +204,19 @@ def test_offline_generate_tokenizes_text_with_the_bos_as_the_server_does(gemma27
     assert out.prompt_tokens == len(ids) and out.token_ids == llm.generate([ids], params)[0].token_ids
 
 
-def test_fp8_kv_scales_per_layer_cover_each_layers_keys(family, tmp_path):
+def test_fp8_kv_scales_per_layer_cover_each_layers_keys(family, calib_file, tmp_path):
     """FP8 KV-cache scales for every layer, sliding and full alike, taken where the cache stores them: Gemma's keys
     after its k norm and its layer kind's rope, Phi-3's from the fused qkv. HF's cache holds the same post-rope keys
     (a sliding layer's only for its window): the scale is their absmax / 448 on a full layer and covers them on a
     sliding one. The runtime decodes through the FP8 cache as it does through bf16, within FP8's rounding."""
-    import random
-
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from test_calibrated import SAMPLES, SEQLEN, calib_ids, quantize
 
     name, path = family
-    rng = random.Random(0)
-    calib = tmp_path / "calib.jsonl"
-    calib.write_text("".join(f'{{"text": "{" ".join(f"w{rng.randrange(252)}" for _ in range(200))}"}}\n' for _ in range(12)))
-    quantize(path, tmp_path / "out", calib, method="none", kv_cache="fp8")  # weights dense: HF sees the same keys
+    quantize(path, tmp_path / "out", calib_file, method="none", kv_cache="fp8")  # weights dense: HF sees the same keys
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = calib_ids(path, calib)
+    ids = calib_ids(path, calib_file)
     assert ids.shape == (SAMPLES, SEQLEN)
     with torch.no_grad():
         cache = hf(ids, use_cache=True).past_key_values
