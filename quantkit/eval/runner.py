@@ -32,6 +32,10 @@ RETRIEVAL_TASKS = ("passkey", "niah_number", "niah_word", "niah_uuid", "niah_mul
 KL_EQUIVALENT, KL_DEGRADED = 0.02, 0.10
 PPL_EQUIVALENT, PPL_DEGRADED = 1.02, 1.10
 TOOL_FLOOR = 0.2  # a baseline scoring under this cannot tell the models apart on tool use
+# Tokens a retrieval answer may take: an instruction-tuned model words a 36-character UUID as a sentence ("The special
+# magic uuid for X mentioned in the provided text is ...", ~50 tokens with Qwen's tokenizer), and 48 cut such answers
+# a few characters short. RULER gives its needle tasks 128.
+RETRIEVAL_ANSWER_TOKENS = 128
 
 
 @dataclass(slots=True)
@@ -143,7 +147,7 @@ def run_retrieval(base, quant, cfg: EvalConfig, report: EvalReport, ui: Reporter
     filler = retrieval.Filler(builtin_texts("eval"))
     items = retrieval.generate(list(cfg.retrieval_tasks), lengths, cfg.limit or 3, cfg.seed, base.count, filler)
     prompts = [base.chat_prompt([{"role": "user", "content": it.prompt}]) for it in items]
-    out_b, out_q = _run_pair(base, quant, prompts, 48, "retrieval", ui, cache)
+    out_b, out_q = _run_pair(base, quant, prompts, RETRIEVAL_ANSWER_TOKENS, "retrieval", ui, cache)
     sb = torch.tensor([retrieval.score(o, it.answers) for o, it in zip(out_b, items)])
     sq = torch.tensor([retrieval.score(o, it.answers) for o, it in zip(out_q, items)])
     cb, cq = (sb == 1).float(), (sq == 1).float()
