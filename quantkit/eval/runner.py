@@ -33,8 +33,8 @@ KL_EQUIVALENT, KL_DEGRADED = 0.02, 0.10
 PPL_EQUIVALENT, PPL_DEGRADED = 1.02, 1.10
 TOOL_FLOOR = 0.2  # a baseline scoring under this cannot tell the models apart on tool use
 # Tokens a retrieval answer may take: an instruction-tuned model words a 36-character UUID as a sentence ("The special
-# magic uuid for X mentioned in the provided text is ...", ~50 tokens with Qwen's tokenizer), and 48 cut such answers
-# a few characters short. RULER gives its needle tasks 128.
+# magic uuid for X mentioned in the provided text is ..."), and a limit of 48 cut such answers a few characters short
+# (docs/benchmarks.md, the 1.5B at 4k and 8k). RULER gives its needle tasks 128.
 RETRIEVAL_ANSWER_TOKENS = 128
 
 
