@@ -63,7 +63,8 @@ def quantize(
         "[default: 4-bit at the model's group and half it, w8, dense]"),
     embeddings: str | None = typer.Option(
         None, "--embeddings", help="The vocabulary tables (embedding, head): dense, w8 (int8 per row: quantkit's runtime reads it; HF "
-        "transformers and vLLM read an untied int8 head, not yet an int8 embedding) or auto (with --budget: the budget "
+        "transformers and vLLM read an untied int8 head, not yet an int8 embedding), head (an untied head alone at int8: "
+        "HF transformers reads it, and it halves what the head reads each decode step) or auto (with --budget: the budget "
         "decides).  [default: dense]"),
     heldout: str = typer.Option("builtin", "--heldout", help="With --budget kl=: the held-out text the KL is proven on."),
     calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin, a .txt/.jsonl/.parquet file, or a hub dataset."),
@@ -96,7 +97,9 @@ def quantize(
     spec = build_recipe(recipe, overrides, ignore)
     calib_cfg = CalibConfig(calib, calib_samples, calib_seqlen, seed, calib_split, calib_column, chat_template)
     if spec.embeddings == "auto" and budget is None:
-        raise QuantkitError("--embeddings auto needs --budget (the budget decides); use dense or w8 without one")
+        raise QuantkitError("--embeddings auto needs --budget (the budget decides); use dense, w8 or head without one")
+    if spec.embeddings == "head" and budget is not None:
+        raise QuantkitError("--embeddings head fixes the head without a budget; with --budget use auto (it decides each table) or w8")
     if spec.embeddings != "dense" and spec.method.startswith("bnb"):
         raise QuantkitError(f"--embeddings {spec.embeddings} writes compressed-tensors int8 tables; {spec.method} checkpoints "
                             "keep bitsandbytes' own layout (use --method rtn, gptq or awq)")

@@ -1,4 +1,4 @@
-"""Quantized vocabulary tables (`--embeddings w8`): the embedding and the head as int8 rows, one scale each, read
+"""Quantized vocabulary tables (`--embeddings w8|head`): the embedding and the head as int8 rows, one scale each, read
 by the runtime as compressed-tensors dequantizes them; a quantized untied head alone loads in HF transformers."""
 
 from __future__ import annotations
@@ -64,18 +64,21 @@ def test_w8_tables_are_int8_rows_the_runtime_reads(request, which, tmp_path, cap
     assert code == 0
 
 
-def test_a_quantized_untied_head_alone_loads_in_hf(tiny_dir, tmp_path):
-    """The head as a budget may leave it (int8 rows, the embedding dense): HF transformers builds it as a quantized
-    Linear with no missing or unexpected weights, and agrees with the runtime."""
+def test_embeddings_head_quantizes_the_untied_head_alone_and_loads_in_hf(tiny_dir, tmp_path, capsys):
+    """`--embeddings head` (also how a budget may leave the tables): the head as int8 rows, the embedding dense; HF
+    transformers builds the head as a quantized Linear with no missing or unexpected weights, and agrees with the
+    runtime."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.config import TABLE_SCHEME, Recipe
-    from quantkit.quantize import run_quantize
-    from quantkit.ui import Reporter
-
     out = tmp_path / "head"
-    run_quantize(str(tiny_dir), out, Recipe(method="rtn", bits=4, group_size=32), 1 << 30, False, Reporter(True),
-                 mix={"lm_head": TABLE_SCHEME, "model.layers.0.mlp.down_proj": TABLE_SCHEME})
+    code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(out), "--bits", "4", "--group-size", "32",
+                           "--embeddings", "head", "-q")
+    assert code == 0, err
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["lm_head.weight_packed"].dtype == torch.int32 and tensors["lm_head.weight_scale"].shape[1] == 1
+    assert tensors["model.embed_tokens.weight"].is_floating_point() and "model.embed_tokens.weight_packed" not in tensors
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "lm_head" not in qc["ignore"] and scheme_for("lm_head", qc).bits == 8
     hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info
     with torch.no_grad():
@@ -105,7 +108,15 @@ def test_embeddings_flag_errors_are_one_line(tiny_dir, tmp_path, capsys):
     code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "auto")
     assert_one_line_error(code, err, "--embeddings auto needs --budget")
     code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "w4")
-    assert_one_line_error(code, err, "--embeddings must be one of dense, w8, auto")
+    assert_one_line_error(code, err, "--embeddings must be one of dense, w8, head, auto")
     code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "w8", "--method", "bnb-int8")
     assert_one_line_error(code, err, "bitsandbytes' own layout")
+    code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "head", "--budget", "bits=6")
+    assert_one_line_error(code, err, "with --budget use auto")
+    assert not (tmp_path / "x").exists()
+
+
+def test_embeddings_head_refuses_a_tied_head(tiny_gemma_dir, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "quantize", str(tiny_gemma_dir), "-o", str(tmp_path / "x"), "--embeddings", "head")
+    assert_one_line_error(code, err, "this model's head is its embedding (tied)")
     assert not (tmp_path / "x").exists()

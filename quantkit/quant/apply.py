@@ -79,12 +79,15 @@ def routers(layers: nn.ModuleList, prefix: str, arch: Arch) -> list[str]:
 def vocab_tables(config: dict, recipe: Recipe, mix: dict[str, Scheme] | None = None) -> dict[str, Scheme]:
     """The vocabulary tables to quantize (int8 per row, round-to-nearest: at 8 bits GPTQ would gain little), by
     module name: the embedding, and the head when it is not tied to it (a tied head reads the embedding's int8 rows).
-    A budget's mix names them itself; otherwise `recipe.embeddings` (w8: both; dense: none)."""
+    A budget's mix names them itself; otherwise `recipe.embeddings` (w8: both; head: an untied head alone, the one
+    table HF transformers and vLLM read as int8 too, and a large share of a decode step's reads; dense: none)."""
     if mix is not None:
         return {n: s for n, s in mix.items() if n in (EMBED, HEAD)}
-    if recipe.embeddings != "w8":
-        return {}
-    names = [EMBED] + ([] if config.get("tie_word_embeddings") else [HEAD])
+    tied = bool(config.get("tie_word_embeddings"))
+    if recipe.embeddings == "head" and tied:
+        raise QuantkitError("--embeddings head quantizes an untied lm_head; this model's head is its embedding (tied): "
+                            "use --embeddings w8, or `--lm-head int8` when serving")
+    names = {"w8": [EMBED] + ([] if tied else [HEAD]), "head": [HEAD]}.get(recipe.embeddings, [])
     return dict.fromkeys(names, TABLE_SCHEME)
 
 
