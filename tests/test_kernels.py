@@ -170,7 +170,7 @@ def test_panel_gemm_matches_reference_and_is_batch_invariant(isa, bits, group, s
     (scales apply in float32), so the result is the exact product up to float32 sums (and bf16 output rounding);
     each row's result is the same whatever the batch; and the portable loops agree on every build."""
     from quantkit.quant.qparams import dequantize
-    from quantkit.runtime.layers.linear import F32_PANEL_MAX_ROWS, Linear, QuantWeight
+    from quantkit.runtime.layers.linear import F32_PANEL_MAX_ROWS, Linear, QuantWeight, panel_max_rows
 
     m = fused_ops(isa)
     if str(dtype).removeprefix("torch.") not in m.panel_dtypes():
@@ -197,7 +197,10 @@ def test_panel_gemm_matches_reference_and_is_batch_invariant(isa, bits, group, s
     for rows in (1, 2, 3, 5, 7, 13, 30):
         assert torch.equal(lin(small[:rows]), full[:rows])
     big = lin(x)
-    assert ((big.double() - want).abs() <= rel * want.abs() + floor).all()
+    if dtype == torch.bfloat16 and len(x) > panel_max_rows(dtype):  # AMX: the weight dequantised to bf16 (below)
+        assert torch.equal(big, x @ dequantize(q, scale, zp).to(dtype).T.contiguous())
+    else:
+        assert ((big.double() - want).abs() <= rel * want.abs() + floor).all()
     if dtype == torch.float32:
         portable = m.panel_gemm_scalar(x, lin.packed, lin.params, lin.group)
         assert ((portable.double() - want).abs() <= rel * want.abs() + floor).all()
@@ -239,6 +242,28 @@ def test_panel_dequant_equals_the_reference_weight(isa, bits, sym):
         zp = None if sym else torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
     lin = Linear(QuantWeight.of(q, scale, zp, bits, 64), None, torch.float32, "packed", fused=True)
     assert torch.equal(fused_ops(isa).panel_dequant_t(lin.packed, lin.params, 64).T, dequantize(q, scale, zp))
+    out = torch.empty(256, 48, dtype=torch.bfloat16)  # into a kept buffer, rounded once more as c10::BFloat16 rounds
+    fused_ops(isa).panel_dequant_t(lin.packed, lin.params, 64, out=out)
+    assert torch.equal(out.T, dequantize(q, scale, zp).bfloat16())
+
+
+def test_bf16_rows_above_the_amx_threshold_multiply_the_dequantised_weight(isa, monkeypatch):
+    """With AMX (forced here, so every machine checks the path), more than AMX_PANEL_MAX_ROWS bf16 rows multiply the
+    weight dequantised to bf16 (as a dequantised checkpoint holds it) with oneDNN's GEMM; fewer stay on the panels."""
+    from quantkit.kernels import fused as fused_kernels
+    from quantkit.quant.qparams import dequantize
+    from quantkit.runtime.layers.linear import AMX_PANEL_MAX_ROWS, Linear, QuantWeight
+
+    if "bfloat16" not in fused_ops(isa).panel_dtypes():
+        pytest.skip(f"{isa}: no bf16 dot products")
+    gen, q, scale, zp = random_int4(48, 256, 64, False, seed=10)
+    lin = Linear(QuantWeight.of(q, scale, zp, 4, 64), None, torch.bfloat16, "packed", fused=True)
+    x = torch.randn(AMX_PANEL_MAX_ROWS + 9, 256, generator=gen).bfloat16()
+    monkeypatch.setattr(fused_kernels, "amx", lambda: False)
+    panels = lin(x)
+    monkeypatch.setattr(fused_kernels, "amx", lambda: True)
+    assert torch.equal(lin(x), x @ dequantize(q, scale, zp).bfloat16().T.contiguous())
+    assert torch.equal(lin(x[:AMX_PANEL_MAX_ROWS]), panels[:AMX_PANEL_MAX_ROWS])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -547,21 +547,33 @@ at::Tensor panel_pack_int4(const at::Tensor& words) {
   return out;
 }
 
-// int4 or int8 panels and their params -> the dense weight transposed, [K, N] float32 (see panel_f32.h).
-at::Tensor panel_dequant_t(const at::Tensor& w, const at::Tensor& params, int64_t group) {
+template <typename Out>
+void dequant_into(const panel::Problem<float>& pb, int bits, Out* wt) {
+#ifdef QUANTKIT_VEC
+  panel::f32::dequant_t(pb, bits, wt);
+#else
+  panel::scalar::dequant_t(pb, bits, wt);
+#endif
+}
+
+// int4 or int8 panels and their params -> the dense weight transposed, [K, N] (see panel_f32.h): float32, or into
+// `out` (float32 or bfloat16 [K, N]: a buffer the caller keeps, since a fresh one pays its page faults every call).
+at::Tensor panel_dequant_t(const at::Tensor& w, const at::Tensor& params, int64_t group, c10::optional<at::Tensor> out) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.dim() == 3, "panel_dequant_t: int4/int8 panels");
   const int bits = w.size(2) == 8 * panel::kPanel ? 8 : 4;
   const int64_t k = w.size(1) * 8, n = w.size(0) * panel::kPanel, groups = k / group;
   TORCH_CHECK(k % group == 0, "panel_dequant_t: group size does not divide the inputs");
   const float* zero = panel_zero_plane(params, w.size(0), groups, "panel_dequant_t");
-  at::Tensor wt = at::empty({k, n}, params.options());
+  at::Tensor wt = out ? *out : at::empty({k, n}, params.options());
+  TORCH_CHECK(wt.is_contiguous() && wt.dim() == 2 && wt.size(0) == k && wt.size(1) == n &&
+                  (wt.scalar_type() == at::kFloat || wt.scalar_type() == at::kBFloat16),
+              "panel_dequant_t: out must be a contiguous float32 or bfloat16 [K, N]");
   const panel::Problem<float> pb{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, params.data_ptr<float>(), zero, nullptr, 0, k, n, groups, group,
                                  panel::symmetric_zero(bits)};
-#ifdef QUANTKIT_VEC
-  panel::f32::dequant_t(pb, bits, wt.data_ptr<float>());
-#else
-  panel::scalar::dequant_t(pb, bits, wt.data_ptr<float>());
-#endif
+  if (wt.scalar_type() == at::kBFloat16)
+    dequant_into(pb, bits, wt.data_ptr<at::BFloat16>());
+  else
+    dequant_into(pb, bits, wt.data_ptr<float>());
   return wt;
 }
 
@@ -649,7 +661,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_dtypes", &panel_dtypes);
   m.def("panel_gemm", &panel_gemm);
   m.def("panel_gemm_scalar", &panel_gemm_scalar);
-  m.def("panel_dequant_t", &panel_dequant_t);
+  m.def("panel_dequant_t", &panel_dequant_t, py::arg("w"), py::arg("params"), py::arg("group"), py::arg("out") = py::none());
   m.def("panel_pack_int4", &panel_pack_int4);
   py::class_<Linear>(m, "Linear").def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>());
   py::class_<Decoder>(m, "Decoder")

@@ -199,10 +199,14 @@ void run_v(const Problem& pb) {
   }
 }
 
-// The dense weight, transposed: wt [K, N] float32 = (u - (8 + zp)) * scale, as the reference dequantises it
-// ((q - zp) exact, one rounding), for prefill-sized inputs where oneDNN's sgemm on it beats the tiles.
-template <int V>
-void dequant_t_v(const Problem& pb, float* wt) {
+inline void vstore_out(float* p, vf v) { vstore(p, v); }
+inline void vstore_out(at::BFloat16* p, vf v) { vstore_bf16(reinterpret_cast<uint16_t*>(p), v); }
+
+// The dense weight, transposed: wt [K, N] = (u - (8 + zp)) * scale, as the reference dequantises it ((q - zp)
+// exact, one rounding; bfloat16: rounded once more, as a dequantised checkpoint is), for prefill-sized inputs where
+// oneDNN's GEMM on it beats the tiles (sgemm for float32; AMX for bfloat16).
+template <int V, typename Out>
+void dequant_t_v(const Problem& pb, Out* wt) {
   at::parallel_for(0, pb.n / kPanel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(pb.k * kPanel);
     for (int64_t panel = begin; panel < end; ++panel) {
@@ -211,13 +215,14 @@ void dequant_t_v(const Problem& pb, float* wt) {
         for (int h = 0; h < H; ++h) {
           const int64_t at = (panel * pb.groups + t / pb.group) * kPanel + kW * h;
           const vf z = vsub(pb.zero ? vload(pb.zero + at) : vset(pb.zero_const), vset(kBias<V>));
-          vstore(wt + t * pb.n + panel * kPanel + kW * h, vmul(vsub(vload(w.data() + t * kPanel + kW * h), z), vload(pb.scale + at)));
+          vstore_out(wt + t * pb.n + panel * kPanel + kW * h, vmul(vsub(vload(w.data() + t * kPanel + kW * h), z), vload(pb.scale + at)));
         }
     }
   });
 }
 
-inline void dequant_t(const Problem& pb, int bits, float* wt) {
+template <typename Out>
+inline void dequant_t(const Problem& pb, int bits, Out* wt) {
   if (bits == 8)
     dequant_t_v<2>(pb, wt);
   else

@@ -71,8 +71,9 @@ inline void run(const Problem& pb, int bits) {
   });
 }
 
-// The dense weight, transposed: wt [K, N] float32 = (u - (8 + zp)) * scale (see panel_f32.h's).
-inline void dequant_t(const Problem& pb, int bits, float* wt) {
+// The dense weight, transposed: wt [K, N] float32 or bfloat16 = (u - (8 + zp)) * scale (see panel_f32.h's).
+template <typename Out>
+inline void dequant_t(const Problem& pb, int bits, Out* wt) {
   const float bias = zero_bias(bits);
   at::parallel_for(0, pb.n / kPanel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(pb.k * kPanel);
@@ -81,7 +82,7 @@ inline void dequant_t(const Problem& pb, int bits, float* wt) {
       for (int64_t t = 0; t < pb.k; ++t)
         for (int64_t c = 0; c < kPanel; ++c) {
           const int64_t at = (panel * pb.groups + t / pb.group) * kPanel + c;
-          wt[t * pb.n + panel * kPanel + c] = (w[t * kPanel + c] - ((pb.zero ? pb.zero[at] : pb.zero_const) - bias)) * pb.scale[at];
+          wt[t * pb.n + panel * kPanel + c] = static_cast<Out>((w[t * kPanel + c] - ((pb.zero ? pb.zero[at] : pb.zero_const) - bias)) * pb.scale[at]);
         }
     }
   });

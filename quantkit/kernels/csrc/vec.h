@@ -41,6 +41,12 @@ inline vi vandor(vi a, vi m, vi b) { return _mm512_ternarylogic_epi32(a, m, b, 0
 inline vf vcvt(vi a) { return _mm512_cvtepi32_ps(a); }
 inline vf vasf(vi a) { return _mm512_castsi512_ps(a); }
 inline vf vbcast(const float* p) { return _mm512_set1_ps(*p); }
+// bfloat16 bits of each lane, rounded to nearest even as c10::BFloat16 rounds (finite values), stored as 16 lanes
+inline void vstore_bf16(uint16_t* p, vf v) {
+  const vi b = _mm512_castps_si512(v);
+  const vi r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
 // The four vectors' sums: one transpose-add instead of four reductions.
 inline __m128 vsum4(const vf (&a)[4]) {
   const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
@@ -92,6 +98,12 @@ inline vi vandor(vi a, vi m, vi b) { return _mm256_or_si256(_mm256_and_si256(a, 
 inline vf vcvt(vi a) { return _mm256_cvtepi32_ps(a); }
 inline vf vasf(vi a) { return _mm256_castsi256_ps(a); }
 inline vf vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline void vstore_bf16(uint16_t* p, vf v) {
+  const vi b = _mm256_castps_si256(v);
+  const vi r = _mm256_srli_epi32(
+      _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
 inline __m128 vsum4(const vf (&a)[4]) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // [sums of halves 0..3] per lane
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));

@@ -15,7 +15,7 @@ from torch import Tensor
 from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.kv_cache import KVCache
 from quantkit.runtime.layers.attention import Batch
-from quantkit.runtime.layers.linear import F32_PANEL_MAX_ROWS, PACKED_MAX_ROWS, Linear
+from quantkit.runtime.layers.linear import PACKED_MAX_ROWS, Linear, panel_max_rows
 
 MODES = {"int4": 0, "int8": 1, "dense": 2, "int4_panels": 3, "int8_panels": 3}
 
@@ -34,11 +34,11 @@ class FusedDecoder:
         decoder = ops.Decoder(heads, kv_heads, head_dim, eps)
         for layer, group in zip(layers, linears):
             decoder.add_layer(*[_spec(ops, lin) for lin in group], layer.input_norm.weight, layer.post_norm.weight)
-        # int4 layers switch to a dense GEMM above PACKED_MAX_ROWS rows, float32 panels above F32_PANEL_MAX_ROWS
+        # int4 layers switch to a dense GEMM above PACKED_MAX_ROWS rows, panels above panel_max_rows
         # (linear.py): there the Python layers run
         modes = {lin.mode for g in linears for lin in g}
-        f32_panels = layers[0].qkv.dtype == torch.float32 and modes & {"int4_panels", "int8_panels"}
-        return cls(decoder, PACKED_MAX_ROWS if "int4" in modes else F32_PANEL_MAX_ROWS if f32_panels else 1 << 30)
+        panels = modes & {"int4_panels", "int8_panels"}
+        return cls(decoder, PACKED_MAX_ROWS if "int4" in modes else panel_max_rows(layers[0].qkv.dtype) if panels else 1 << 30)
 
     def runs(self, batch: Batch) -> bool:
         return batch.decodes is not None and not batch.seqs and len(batch.tokens) <= self.max_rows

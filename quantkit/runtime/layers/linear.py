@@ -27,6 +27,9 @@ PACKED_MAX_ROWS = 32  # CPU: PyTorch's int4 kernel costs grow with rows; above t
 INT8_PACKED_MAX_ROWS = 128  # likewise for its int8 op: parity at ~128 rows, 3.9x slower than dequantise + GEMM at 2048
 KERNEL_GROUP = 128  # the longest group the panel GEMM sums in one accumulator (see Linear)
 F32_PANEL_MAX_ROWS = 32  # float32 panels: above this, the weight dequantised from its panels and oneDNN's sgemm
+# bf16 panels on a CPU with AMX: above this, the weight dequantised to bf16 and oneDNN's AMX GEMM (one 1.5B layer at
+# 512 rows: 714 ms on panels, 103 on AMX; dequantising it ~40). Without AMX the panels stay (not measured faster).
+AMX_PANEL_MAX_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -154,8 +157,9 @@ class Linear(nn.Module):
             self.weight = weight.dequantize(dtype)
 
     def forward(self, x: Tensor) -> Tensor:  # x [t, in] -> [t, out]
-        if self.mode in ("int4_panels", "int8_panels") and x.dtype == torch.float32 and x.shape[0] > F32_PANEL_MAX_ROWS:
-            y = x @ fused_kernels.ops().panel_dequant_t(self.packed, self.params, self.group)  # [in, out]
+        if self.mode in ("int4_panels", "int8_panels") and x.shape[0] > panel_max_rows(x.dtype):
+            wt = _scratch(x.shape[1], self.packed.shape[0] * 16, x.dtype)  # [in, out]
+            y = x @ fused_kernels.ops().panel_dequant_t(self.packed, self.params, self.group, out=wt)
         elif self.mode in ("int4_panels", "int8_panels"):
             y = fused_kernels.ops().panel_gemm(x, self.packed, self.params, self.group)
         elif self.mode == "bf16_panels":
@@ -185,6 +189,25 @@ class Linear(nn.Module):
         if self.mode == "bf16_panels":
             return self.panels[ids // 16, :, ids % 16, :].reshape(len(ids), -1).to(self.dtype)
         return self.weight[ids]
+
+
+def panel_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which int4/int8 panels run the panel GEMM; above, the weight is dequantised for oneDNN's GEMM."""
+    if dtype == torch.float32:
+        return F32_PANEL_MAX_ROWS
+    return AMX_PANEL_MAX_ROWS if fused_kernels.amx() else 1 << 30
+
+
+_SCRATCH: dict[tuple[int, int, torch.dtype], Tensor] = {}
+
+
+def _scratch(k: int, n: int, dtype: torch.dtype) -> Tensor:
+    """One dequantisation buffer per shape, reused by every layer in turn (each GEMM finishes before the next
+    dequantises): a fresh 80 MB tensor per call pays its page faults, about what the dequantisation itself costs."""
+    key = (k, n, dtype)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty(k, n, dtype=dtype)
+    return _SCRATCH[key]
 
 
 def _int4_panels(words: Tensor) -> Tensor:
