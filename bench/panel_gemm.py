@@ -2,7 +2,8 @@
 against PyTorch's int4 op and oneDNN's GEMM on dense copies, through the runtime's own `Linear` layers, in the
 activation dtype the runtime picks for this CPU (bf16 with AVX512_BF16 or AMX, float32 elsewhere).
 
-    python bench/panel_gemm.py [--dtype auto|bf16|fp32] [--rows 1,2,4,8,16,32,64] [--prefill-rows 512,2048]
+    python bench/panel_gemm.py [--model smollm2|qwen1.5b] [--dtype auto|bf16|fp32] [--rows 1,2,4,8,16,32,64]
+                               [--prefill-rows 512,2048]
 
 Three tables, ms (best of `--repeats`, the kernels taking turns):
 - layers: 30 layers of SmolLM2-135M's shapes (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536),
@@ -10,7 +11,9 @@ Three tables, ms (best of `--repeats`, the kernels taking turns):
   float32 above 32 rows, the weight dequantised from its panels and oneDNN's sgemm), PyTorch's int4 op (bf16
   only: with float32 activations it is ~30x slower and the runtime never uses it), and oneDNN on dense copies
   in the activation dtype (what holding the model unquantized would cost).
-- prefill: one layer's four matmuls at prefill-sized row counts, the same columns.
+- prefill: one layer's four matmuls at prefill-sized row counts, the same columns; on a CPU with AMX also the
+  runtime's path there (bf16 above AMX_PANEL_MAX_ROWS rows: the weight dequantised to bf16, oneDNN on AMX), the
+  "panel" column then forced onto the panels.
 - lm_head: the tied 49,152 x 576 head in bf16, oneDNN (on a float32 copy for float32 activations) vs the
   panel GEMM's bf16 panels.
 Needs the fused CPU ops (a C++ compiler).
@@ -26,8 +29,10 @@ from unittest import mock
 
 import torch
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate/up, down
-LAYERS, GROUP, VOCAB, HIDDEN = 30, 64, 49152, 576
+MODELS = {  # (qkv, o, gate/up, down) as [out, in]; layers, group, vocabulary, hidden
+    "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, 64, 49152, 576),
+    "qwen1.5b": ([(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)], 28, 128, 151936, 1536),
+}
 
 
 def linear(weight, kernel_panels: bool, dtype: torch.dtype, **kw):
@@ -53,6 +58,7 @@ def best_ms(fns: dict, repeats: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", choices=list(MODELS))
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--prefill-rows", default="512,2048")
@@ -61,6 +67,8 @@ def main() -> None:
 
     from quantkit.kernels import fused
     from quantkit.runtime.layers.linear import QuantWeight
+
+    SHAPES, LAYERS, GROUP, VOCAB, HIDDEN = MODELS[args.model]
 
     if fused.ops() is None:
         raise SystemExit("bench/panel_gemm.py: needs the fused CPU ops (a C++ compiler)")
@@ -93,9 +101,14 @@ def main() -> None:
     for m in [int(r) for r in args.rows.split(",")]:
         out["layers_ms"][m] = best_ms({**{k: layers(v, m) for k, v in kinds.items()}, name: layers(dense, m)}, args.repeats)
     one = slice(0, len(SHAPES))  # the first layer's four matmuls
+    amx = bf16 and fused.amx()
     for m in [int(r) for r in args.prefill_rows.split(",")]:
-        out["prefill_ms"][m] = best_ms({**{k: layers(v, m, one) for k, v in kinds.items()}, name: layers(dense, m, one)},
-                                       max(2, args.repeats // 4))
+        fns = {**{k: layers(v, m, one) for k, v in kinds.items()}, name: layers(dense, m, one)}
+        if amx:  # the runtime's path at these rows; the panel column forced onto the panels
+            runtime, panel = fns["panel"], fns["panel"]
+            fns["panel"] = lambda panel=panel: _no_amx(fused, panel)
+            fns["runtime: dequantised bf16 + AMX"] = runtime
+        out["prefill_ms"][m] = best_ms(fns, max(2, args.repeats // 4))
     head_w = torch.randn(VOCAB, HIDDEN, generator=gen).bfloat16()
     head = linear(head_w, True, dtype, head=True)
     assert head.mode == "bf16_panels"
@@ -105,6 +118,11 @@ def main() -> None:
         out["lm_head_ms"][m] = best_ms({"onednn": lambda: x @ head_dense.T, "panel": lambda: head(x)}, args.repeats)
     print(json.dumps({k: tab if isinstance(tab, str) else {r: {n: round(v, 3) for n, v in t.items()} for r, t in tab.items()}
                       for k, tab in out.items()}, indent=2))
+
+
+def _no_amx(fused, fn):
+    with mock.patch.object(fused, "amx", lambda: False):
+        return fn()
 
 
 if __name__ == "__main__":

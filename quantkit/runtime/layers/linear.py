@@ -28,7 +28,8 @@ INT8_PACKED_MAX_ROWS = 128  # likewise for its int8 op: parity at ~128 rows, 3.9
 KERNEL_GROUP = 128  # the longest group the panel GEMM sums in one accumulator (see Linear)
 F32_PANEL_MAX_ROWS = 32  # float32 panels: above this, the weight dequantised from its panels and oneDNN's sgemm
 # bf16 panels on a CPU with AMX: above this, the weight dequantised to bf16 and oneDNN's AMX GEMM (one 1.5B layer at
-# 512 rows: 714 ms on panels, 103 on AMX; dequantising it ~40). Without AMX the panels stay (not measured faster).
+# 512 rows: 714 ms on the panels, 103 in the AMX GEMM, plus the dequantisation). Without AMX the panels stay (the
+# dense path is unmeasured there).
 AMX_PANEL_MAX_ROWS = 64
 
 
