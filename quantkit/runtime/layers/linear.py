@@ -10,6 +10,7 @@ to a dense copy above `TRITON_DENSE_ROWS` rows where the INT kernel loses to cuB
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,7 @@ class Linear(nn.Module):
         earlier start of this checkpoint (layers/panel_cache.py)."""
         super().__init__()
         cache = cache or PanelCache(None)
-        self.dtype = dtype
+        self.dtype, self.head = dtype, head
         self.bias = None if bias is None else bias.to(dtype)
         self.mode = "dense"
         if (isinstance(weight, Tensor) and head and fused and bfloat16 in (dtype, weight.dtype)
@@ -159,7 +160,9 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x [t, in] -> [t, out]
         if self.mode in ("int4_panels", "int8_panels") and x.shape[0] > panel_max_rows(x.dtype):
-            wt = _scratch(x.shape[1], self.packed.shape[0] * 16, x.dtype)  # [in, out]
+            # (a head is dequantised into a fresh tensor: kept, a 152k-row vocabulary would hold 0.5-0.9 GB for good)
+            shape = (x.shape[1], self.packed.shape[0] * 16)  # [in, out]
+            wt = torch.empty(shape, dtype=x.dtype) if self.head else _scratch(*shape, x.dtype)
             y = x @ fused_kernels.ops().panel_dequant_t(self.packed, self.params, self.group, out=wt)
         elif self.mode in ("int4_panels", "int8_panels"):
             y = fused_kernels.ops().panel_gemm(x, self.packed, self.params, self.group)
@@ -196,16 +199,16 @@ def panel_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which int4/int8 panels run the panel GEMM; above, the weight is dequantised for oneDNN's GEMM."""
     if dtype == torch.float32:
         return F32_PANEL_MAX_ROWS
-    return AMX_PANEL_MAX_ROWS if fused_kernels.amx() else 1 << 30
+    return AMX_PANEL_MAX_ROWS if dtype == torch.bfloat16 and fused_kernels.amx() else 1 << 30
 
 
-_SCRATCH: dict[tuple[int, int, torch.dtype], Tensor] = {}
+_SCRATCH: dict[tuple[int, int, torch.dtype, int], Tensor] = {}
 
 
 def _scratch(k: int, n: int, dtype: torch.dtype) -> Tensor:
-    """One dequantisation buffer per shape, reused by every layer in turn (each GEMM finishes before the next
-    dequantises): a fresh 80 MB tensor per call pays its page faults, about what the dequantisation itself costs."""
-    key = (k, n, dtype)
+    """One dequantisation buffer per shape (and thread), reused by every layer in turn (each GEMM finishes before
+    the next dequantises): a fresh 80 MB tensor per call pays its page faults, about what dequantising costs."""
+    key = (k, n, dtype, threading.get_ident())
     if key not in _SCRATCH:
         _SCRATCH[key] = torch.empty(k, n, dtype=dtype)
     return _SCRATCH[key]
