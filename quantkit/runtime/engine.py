@@ -26,7 +26,7 @@ from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.json_mode import JsonPrefix, choose
 from quantkit.runtime.kv_cache import CacheSpec, KVCache, Ring
 from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
-from quantkit.runtime.layers.linear import KERNELS
+from quantkit.runtime.layers.linear import AMX_PANEL_MAX_ROWS, KERNELS, panel_max_rows
 from quantkit.runtime.models.llama import LlamaModel
 from quantkit.runtime.sampler import Sample, SamplingParams, sample_rows, scored
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
@@ -170,6 +170,8 @@ class LLMEngine:
                 + f"); kernels: {self.cfg.kernel}"
                 f"{' + ' + fused_kernels.describe() if self.model.fused else ''} on {self.cfg.device}, "
                 f"{str(self.dtype).removeprefix('torch.')} activations{_dtype_reason(self.cfg, self.dtype)}"
+                + (f"; above {AMX_PANEL_MAX_ROWS} rows, AMX GEMMs on weights dequantised to bf16"
+                   if self.model.fused and panel_max_rows(self.dtype) == AMX_PANEL_MAX_ROWS else "")
                 + (f"; speculative: {spec.num_tokens} draft tokens from "
                    + (f"n-grams of {spec.ngram_min}-{spec.ngram_max}" if self.drafter is None else
                       f"{self.drafter.path.name} ({self.drafter.cache.num_blocks * self.drafter.spec.bytes_per_block / 2**20:,.0f} MiB of draft KV cache)")
