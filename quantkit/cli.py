@@ -64,7 +64,7 @@ def quantize(
     embeddings: str | None = typer.Option(
         None, "--embeddings", help="The vocabulary tables (embedding, head): dense, w8 (int8 per row: quantkit's runtime reads it; HF "
         "transformers and vLLM read an untied int8 head, not yet an int8 embedding), head (an untied head alone at int8: "
-        "HF transformers reads it, vLLM on GPU; it halves what the head reads each decode step) or auto (with --budget: the budget "
+        "HF transformers reads it, vLLM's CPU build cannot; it halves what the head reads each decode step) or auto (with --budget: the budget "
         "decides).  [default: dense]"),
     heldout: str = typer.Option("builtin", "--heldout", help="With --budget kl=: the held-out text the KL is proven on."),
     calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin, a .txt/.jsonl/.parquet file, or a hub dataset."),
