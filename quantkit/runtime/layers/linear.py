@@ -207,7 +207,7 @@ _SCRATCH: dict[tuple[int, int, torch.dtype, int], Tensor] = {}
 
 def _scratch(k: int, n: int, dtype: torch.dtype) -> Tensor:
     """One dequantisation buffer per shape (and thread), reused by every layer in turn (each GEMM finishes before
-    the next dequantises): a fresh 80 MB tensor per call pays its page faults, about what dequantising costs."""
+    the next dequantises): no fresh 80 MB tensor, and its page faults, per call. Buffers of finished threads stay."""
     key = (k, n, dtype, threading.get_ident())
     if key not in _SCRATCH:
         _SCRATCH[key] = torch.empty(k, n, dtype=dtype)
