@@ -5,7 +5,9 @@ rows (quantkit's built-in corpus, written to a JSONL file for the peer), and W4A
 `--group-size` (64 for SmolLM2: 128 does not divide its width of 576). For each run it reports wall time,
 peak resident memory (measured the same way for both: GNU time's maximum RSS of the child), and on
 quantkit's held-out split the perplexity and mean KL against the dense model, computed here with HF
-transformers (float32) loading every checkpoint. Prints a Markdown table.
+transformers (float32) loading every checkpoint. Prints a Markdown table, and for each method both ran the
+difference of the two KLs with a paired interval over the held-out rows (`--eval-rows`: the mean KL of 16 rows
+cannot tell two GPTQs apart; the checkpoints stay in the printed work folder).
 
     python bench/quantize_vs_llmcompressor.py --peer-python PEER_VENV/bin/python [--samples 64 --seqlen 512]
     python bench/quantize_vs_llmcompressor.py --model qwen2.5-coder-1.5b --group-size 128 --methods gptq --peer-python ...
@@ -40,13 +42,25 @@ def timed(cmd: list[str]) -> tuple[float, int, str]:
     return wall, peak_kib * 1024, run.stdout
 
 
-def accuracy(dense: Path, path: Path, rows: torch.Tensor) -> tuple[float, float]:
-    """(perplexity, mean KL(dense || checkpoint) in nats per token) on the held-out rows, in float32."""
+def accuracy(dense: Path, path: Path, rows: torch.Tensor):
+    """The checkpoint against the dense model on the held-out rows, both in float32: a `Distribution` (perplexities,
+    per-token KL(dense || checkpoint) in nats)."""
     from quantkit.eval.backends import HFBackend
     from quantkit.eval.kl import distribution
 
-    d = distribution(HFBackend(dense, "dense", torch.float32), HFBackend(path, "quantized", torch.float32), rows)
-    return d.ppl_quantized, d.kl_mean
+    return distribution(HFBackend(dense, "dense", torch.float32), HFBackend(path, "quantized", torch.float32), rows)
+
+
+def kl_difference(ours: list[float], peer: list[float]) -> str:
+    """quantkit's mean KL minus the peer's on the same held-out rows, with a 90% paired-bootstrap interval over rows:
+    "lower" or "higher" only when the interval excludes zero, else "level" (more rows would be needed to decide)."""
+    from quantkit.eval.stats import paired_bootstrap_ci
+
+    a, b = torch.tensor(peer), torch.tensor(ours)
+    lo, hi = paired_bootstrap_ci(a, b)
+    word = "lower" if hi < 0 else "higher" if lo > 0 else "level"
+    return (f"KL difference {(b - a).mean().item():+.4f} [{lo:+.4f}, {hi:+.4f}] (90% paired bootstrap over "
+            f"{len(ours)} rows; quantkit lower on {int((b < a).sum())}): {word}")
 
 
 def main() -> None:
@@ -72,11 +86,12 @@ def main() -> None:
     calib = build(CalibConfig(samples=args.samples, seqlen=args.seqlen), tokenizer)
     held_out = eval_rows(tokenizer, args.seqlen, args.eval_rows)
     work = Path(tempfile.mkdtemp(prefix="qk-bench-"))
+    print(f"work folder (calibration rows, checkpoints): {work}", file=sys.stderr, flush=True)
     calib_file = work / "calib.jsonl"
     calib_file.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in calib.ids.tolist()))
 
-    rows = [{"tool": "dense (bf16)", "method": "-", "wall_s": None, "peak_rss_bytes": None,
-             "ppl": accuracy(dense, dense, held_out)[0], "kl": 0.0}]
+    rows = [{"tool": "dense (bf16)", "method": "-", "wall_s": None, "peak_rss_bytes": None, "ppl": None, "kl": 0.0,
+             "kl_rows": None}]  # its ppl: from the first comparison (the same float32 forwards)
     runs = [("quantkit", m, [sys.executable, "-m", "quantkit", "quantize", str(dense), "-o", str(work / f"quantkit-{m}"),
                              "--method", m, "-g", str(args.group_size),  # the built-in corpus: the same rows as calib_file
                              "--calib-samples", str(args.samples), "--calib-seqlen", str(args.seqlen), "--json"])
@@ -86,11 +101,16 @@ def main() -> None:
                                         "--calib", str(calib_file), "--method", m, "--group-size", str(args.group_size),
                                         "--out", str(work / f"llm-compressor-{m}"), "--json"])
                  for m in filter(None, args.peer_methods.split(","))]
+    if not runs:
+        raise SystemExit("nothing to run: give --methods and/or --peer-methods with --peer-python")
     for tool, method, cmd in runs:
         wall, peak, _ = timed(cmd)
-        ppl, kl = accuracy(dense, work / f"{tool}-{method}", held_out)
-        rows.append({"tool": tool, "method": method, "wall_s": wall, "peak_rss_bytes": peak, "ppl": ppl, "kl": kl})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        d = accuracy(dense, work / f"{tool}-{method}", held_out)
+        rows[0]["ppl"] = d.ppl_baseline
+        rows.append({"tool": tool, "method": method, "wall_s": wall, "peak_rss_bytes": peak, "ppl": d.ppl_quantized,
+                     "kl": d.kl_mean, "kl_rows": d.kl_per_token.view(held_out.shape[0], -1).mean(dim=1).tolist(),
+                     "checkpoint": str(work / f"{tool}-{method}")})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "kl_rows"}), file=sys.stderr, flush=True)
 
     if args.json:
         print(json.dumps({"samples": args.samples, "seqlen": args.seqlen, "eval_tokens": held_out.numel(), "rows": rows}, indent=2))
@@ -107,7 +127,8 @@ def main() -> None:
     peer = {r["method"]: r for r in rows if r["tool"] == "llm-compressor"}
     for m in sorted(set(ours) & set(peer)):
         print(f"\n{m}: quantkit is {peer[m]['wall_s'] / ours[m]['wall_s']:.2f}x faster than llm-compressor "
-              f"(wall), ppl {ours[m]['ppl']:.3f} vs {peer[m]['ppl']:.3f}, KL {ours[m]['kl']:.4f} vs {peer[m]['kl']:.4f}")
+              f"(wall), ppl {ours[m]['ppl']:.3f} vs {peer[m]['ppl']:.3f}, KL {ours[m]['kl']:.4f} vs {peer[m]['kl']:.4f}; "
+              + kl_difference(ours[m]["kl_rows"], peer[m]["kl_rows"]))
 
 
 if __name__ == "__main__":

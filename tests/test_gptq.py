@@ -79,10 +79,11 @@ def test_stacked_rows_equal_separate_runs():
     assert torch.equal(stacked.q, torch.cat([top.q, bottom.q]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_triangle_hessian_equals_full_product(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,bf16_products", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_block_triangle_hessian_equals_full_product(dtype, bf16_products, monkeypatch):
     """The layer walk sums x^T x over the upper block triangle, in chunks, and mirrors it once at the end; bf16
-    inputs are summed in float32 as well (a bf16 GEMM's rounded partial sums miss this tolerance by ~100x)."""
+    inputs are summed in float32 as well (a bf16 GEMM's rounded partial sums miss this tolerance by ~100x), also
+    where oneDNN multiplies them as bf16 (the AMX path, forced here on any CPU)."""
     from quantkit.calib import sequential
 
     monkeypatch.setattr(sequential, "HESSIAN_BLOCK", 16)  # 70 features -> 4 blocks (one shorter)
@@ -91,11 +92,12 @@ def test_block_triangle_hessian_equals_full_product(dtype, monkeypatch):
     xs = [torch.randn(n, 70, generator=g).to(dtype) for n in (250, 37)]
     h = None
     for x in xs:
-        h = sequential._hessian(x, h)
+        h = sequential._hessian(x, h, bf16_products)
     h = fill_lower(h)
     full = sum(x.double().t() @ x.double() for x in xs)
     assert torch.allclose(h.double(), full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
     assert torch.equal(h, h.t())
+    assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the setting does not leak out of the walk
 
 
 def test_overwriting_h_gives_the_same_result():
