@@ -2,12 +2,15 @@
 the columns not yet quantized through the inverse Hessian of the layer's inputs, H = sum(x x^T).
 
 Pure functions over tensors. Output is the same QuantizedWeight as RTN, so the exporter packs it the
-same way. `actorder` ("static") visits columns by decreasing H diagonal with every group's qparams fixed
-up front from the original weights, so groups stay contiguous and no g_idx is needed on disk.
+same way. Updates are lazy at two levels: inside a block of 128 columns, column by column only within a
+sub-block of 16 (a slice that stays in cache), then one GEMM for the rest of the block; after the block, one
+GEMM for the rest of the row. `actorder` ("static") visits columns by decreasing H diagonal with every group's
+qparams fixed up front from the original weights, so groups stay contiguous and no g_idx is needed on disk.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -22,6 +25,7 @@ from quantkit.quant.rtn import rtn
 @dataclass(slots=True, frozen=True)
 class GPTQConfig:
     block_size: int = 128
+    sub_block: int = 16  # columns updated one by one; the rest of a block by one GEMM per sub-block
     damp: float = 0.01  # fraction of the mean Hessian diagonal added to it
     actorder: bool = False
     max_damp_tries: int = 6  # damping x10 each failed Cholesky, then RTN as the last resort
@@ -146,29 +150,33 @@ def gptq(w: Tensor, h: Tensor, scheme: Scheme, scale_dtype: torch.dtype, cfg: GP
         zp = None if scheme.symmetric else torch.empty(out_f, in_f // group, dtype=torch.int8, device=w.device)
     q = torch.empty(out_f, in_f, dtype=torch.int8, device=w.device)
     block = max(group, cfg.block_size // group * group) if scheme.group_size else cfg.block_size
+    sub = cfg.sub_block if fixed else math.gcd(cfg.sub_block, group)  # a group's qparams need it fully updated
     col_group = (perm // group).tolist()  # each visited column's group, in original order
     column = Scheme(scheme.bits, None, scheme.symmetric)
     qmin, qmax = float(scheme.qmin), float(scheme.qmax)
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
-        w1, u1 = w[:, i1:i2].clone(), u[i1:i2, i1:i2]
+        wt, u1 = w[:, i1:i2].t().contiguous(), u[i1:i2, i1:i2]  # wt [b, out]: a column is one contiguous row
         diag = u1.diagonal().tolist()
-        q1, err = torch.empty_like(w1), torch.empty_like(w1)
-        for i in range(i2 - i1):  # the hot loop: a handful of vector ops per column
-            col, g = i1 + i, col_group[i1 + i]
-            if not fixed and col % group == 0:  # new group: qparams from the error-updated weights
-                s_new, z_new = minmax_qparams(w1[:, i : i + group], column, scale_dtype)
-                scale[:, g] = s_new[:, 0]
-                if zp is not None:
-                    zp[:, g] = z_new[:, 0]
-            if i == 0 or col_group[col - 1] != g or (not fixed and col % group == 0):
-                s_col = scale[:, g].float()
-                z_col = zp[:, g].float() if zp is not None else 0.0
-            wc = w1[:, i]
-            qc = torch.clamp(torch.round(wc / s_col + z_col), qmin, qmax)
-            e = (wc - (qc - z_col) * s_col) / diag[i]
-            w1[:, i:].addr_(e, u1[i, i:], alpha=-1.0)
-            q1[:, i], err[:, i] = qc, e
-        q[:, i1:i2] = q1.to(torch.int8)
-        w[:, i2:].addmm_(err, u[i1:i2, i2:], alpha=-1.0)
+        qt, errt = torch.empty_like(wt), torch.empty_like(wt)
+        for s1 in range(0, i2 - i1, sub):
+            s2 = min(s1 + sub, i2 - i1)
+            for i in range(s1, s2):  # the hot loop: a handful of vector ops per column, within [sub, out]
+                col, g = i1 + i, col_group[i1 + i]
+                if not fixed and col % group == 0:  # new group: qparams from the error-updated weights
+                    s_new, z_new = minmax_qparams(wt[i : i + group].t(), column, scale_dtype)
+                    scale[:, g] = s_new[:, 0]
+                    if zp is not None:
+                        zp[:, g] = z_new[:, 0]
+                if i == 0 or col_group[col - 1] != g or (not fixed and col % group == 0):
+                    s_col = scale[:, g].float()
+                    z_col = zp[:, g].float() if zp is not None else 0.0
+                wc = wt[i]
+                qc = torch.clamp(torch.round(wc / s_col + z_col), qmin, qmax)
+                e = (wc - (qc - z_col) * s_col) / diag[i]
+                wt[i + 1 : s2].addr_(u1[i, i + 1 : s2], e, alpha=-1.0)
+                qt[i], errt[i] = qc, e
+            wt[s2:].addmm_(u1[s1:s2, s2:].t(), errt[s1:s2], alpha=-1.0)  # the rest of the block, as one GEMM
+        q[:, i1:i2] = qt.t().to(torch.int8)
+        w[:, i2:].addmm_(errt.t(), u[i1:i2, i2:], alpha=-1.0)
     return QuantizedWeight(q[:, torch.argsort(perm)].contiguous(), scale, zp, scheme)
