@@ -71,3 +71,10 @@ def reuse_freed_memory() -> Iterator[None]:
     finally:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         libc.malloc_trim(0)
+
+
+def trim_heap() -> None:
+    """Give freed heap pages back now, inside a `reuse_freed_memory` block: before a step whose own peak adds to
+    whatever the forwards before it left on the heap (GPTQ's solve of a down projection). A no-op off glibc."""
+    if (libc := _libc()) is not None:
+        libc.malloc_trim(0)

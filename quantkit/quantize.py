@@ -152,6 +152,7 @@ def walk(
         load(i, layer)
         result, batches = quantize_layer(layer, f"model.layers.{i}", targets[i], batches, recipe, scale_dtype, arch)
         yield i, layer, result
+        del result  # the caller has it: not alive (nor its integers on the heap) while the next layer is solved
         release(layer)
 
 
@@ -285,6 +286,7 @@ def run_quantize(
                     if note := few_tokens_note(f"model.layers.{i}", result.expert_tokens):
                         notes.append(note)
                         ui.note(note)
+                del result  # written: its integers need not outlive the next layer's solve
                 advance()
         timings["quantize"] = round(time.perf_counter() - start, 3)
         start = time.perf_counter()

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from quantkit.arch import LLAMA, SHARED, Arch, MoE
 from quantkit.config import Recipe, Scheme
 from quantkit.kernels import fused as fused_kernels
-from quantkit.memory import reuse_freed_memory
+from quantkit.memory import reuse_freed_memory, trim_heap
 from quantkit.quant import awq
 from quantkit.quant.apply import Target
 from quantkit.quant.gptq import GPTQConfig, fill_lower, gptq
@@ -383,6 +383,7 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
         if not names:
             return
         weights = [local[n].weight for n in names]
+        trim_heap()  # the forwards' freed temporaries, before the solve's own peak
         stacked = gptq(torch.cat(weights), fill_lower(h), schemes[names[0]], dtype, cfg, overwrite_h=True)  # (one scheme a
         # solve: q/k/v and gate/up are budgeted as units, as the engines that fuse them need)
         for n, qw in zip(names, split_rows(stacked, [w.shape[0] for w in weights])):
@@ -418,18 +419,18 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
             o_in.append(o_input(b))
     if recipe.true_sequential:
         solve(o, hessian(o_in))
-    for b in batches:  # x -> h, freeing each attention output as it is used
-        b.hidden = b.hidden + attn_out(attn.o_proj(o_in.pop(0)))
+    for b in batches:  # x -> h in place (the hidden states stay where they are: off the heap, see quantize_layer),
+        b.hidden.add_(attn_out(attn.o_proj(o_in.pop(0))))  # freeing each attention output as it is used
     if sparse:
         expert_tokens = _gptq_sparse(mlp, (mlp_norm(b.hidden) for b in batches), solve, hessian, arch.moe)
         for b in batches:  # h -> the layer's output
-            b.hidden = b.hidden + mlp_out(mlp(mlp_norm(b.hidden)))
+            b.hidden.add_(mlp_out(mlp(mlp_norm(b.hidden))))
         return qweights, batches, kv.amax, expert_tokens
     if recipe.true_sequential:
         solve(gate_up, hessian(mlp_norm(b.hidden) for b in batches))
         solve(down, hessian(m for b in batches for m in mid(b.hidden)))
     for b in batches:  # h -> the layer's output
-        b.hidden = b.hidden + mlp_out(torch.cat([mlp.down_proj(m) for m in mid(b.hidden)]))
+        b.hidden.add_(mlp_out(torch.cat([mlp.down_proj(m) for m in mid(b.hidden)])))
     return qweights, batches, kv.amax, None
 
 
