@@ -419,8 +419,8 @@ def gptq_sequential(layer: nn.Module, local: dict[str, nn.Module], batches: list
             o_in.append(o_input(b))
     if recipe.true_sequential:
         solve(o, hessian(o_in))
-    for b in batches:  # x -> h in place (the hidden states stay where they are: off the heap, see quantize_layer),
-        b.hidden.add_(attn_out(attn.o_proj(o_in.pop(0))))  # freeing each attention output as it is used
+    for b in batches:  # x -> h, in place: new hidden states would land on the heap reused inside this block and pin
+        b.hidden.add_(attn_out(attn.o_proj(o_in.pop(0))))  # it across layers; each attention output freed as used
     if sparse:
         expert_tokens = _gptq_sparse(mlp, (mlp_norm(b.hidden) for b in batches), solve, hessian, arch.moe)
         for b in batches:  # h -> the layer's output
