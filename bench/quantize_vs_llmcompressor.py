@@ -7,7 +7,8 @@ peak resident memory (measured the same way for both: GNU time's maximum RSS of 
 quantkit's held-out split the perplexity and mean KL against the dense model, computed here with HF
 transformers (float32) loading every checkpoint. Prints a Markdown table, and for each method both ran the
 difference of the two KLs with a paired interval over the held-out rows (`--eval-rows`: the mean KL of 16 rows
-cannot tell two GPTQs apart; the checkpoints stay in the printed work folder).
+cannot tell two GPTQs apart; the checkpoints stay in the printed work folder, and `--rescore WORK` scores them
+again, on more rows, without quantizing: no wall time or memory then).
 
     python bench/quantize_vs_llmcompressor.py --peer-python PEER_VENV/bin/python [--samples 64 --seqlen 512]
     python bench/quantize_vs_llmcompressor.py --model qwen2.5-coder-1.5b --group-size 128 --methods gptq --peer-python ...
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--peer-methods", default="rtn,gptq", help="llm-compressor methods to run")
     ap.add_argument("--model", default="smollm2-135m", help="any MODEL quantkit resolves (the dense baseline)")
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--rescore", metavar="WORK", help="score the checkpoints kept in an earlier run's work folder "
+                    "(its calib.jsonl and {tool}-{method} folders) instead of quantizing")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -88,10 +91,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(dense)
     calib = build(CalibConfig(samples=args.samples, seqlen=args.seqlen), tokenizer)
     held_out = eval_rows(tokenizer, args.seqlen, args.eval_rows)
-    work = Path(tempfile.mkdtemp(prefix="qk-bench-"))
+    work = Path(args.rescore) if args.rescore else Path(tempfile.mkdtemp(prefix="qk-bench-"))
     print(f"work folder (calibration rows, checkpoints): {work}", file=sys.stderr, flush=True)
     calib_file = work / "calib.jsonl"
-    calib_file.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in calib.ids.tolist()))
+    if not args.rescore:
+        calib_file.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in calib.ids.tolist()))
 
     rows = [{"tool": "dense (bf16)", "method": "-", "wall_s": None, "peak_rss_bytes": None, "ppl": None, "kl": 0.0,
              "kl_rows": None}]  # its ppl: from the first comparison (the same float32 forwards)
@@ -106,8 +110,10 @@ def main() -> None:
                  for m in filter(None, args.peer_methods.split(","))]
     if not runs:
         raise SystemExit("nothing to run: give --methods and/or --peer-methods with --peer-python")
+    if args.rescore:
+        runs = [(tool, method, None) for tool, method, _ in runs if (work / f"{tool}-{method}").is_dir()]
     for tool, method, cmd in runs:
-        wall, peak, _ = timed(cmd)
+        wall, peak = timed(cmd)[:2] if cmd else (None, None)
         d = accuracy(dense, work / f"{tool}-{method}", held_out)
         rows[0]["ppl"] = d.ppl_baseline
         rows.append({"tool": tool, "method": method, "wall_s": wall, "peak_rss_bytes": peak, "ppl": d.ppl_quantized,
@@ -129,8 +135,9 @@ def main() -> None:
     ours = {r["method"]: r for r in rows if r["tool"] == "quantkit"}
     peer = {r["method"]: r for r in rows if r["tool"] == "llm-compressor"}
     for m in sorted(set(ours) & set(peer)):
-        print(f"\n{m}: quantkit is {peer[m]['wall_s'] / ours[m]['wall_s']:.2f}x faster than llm-compressor "
-              f"(wall), ppl {ours[m]['ppl']:.3f} vs {peer[m]['ppl']:.3f}, KL {ours[m]['kl']:.4f} vs {peer[m]['kl']:.4f}; "
+        speed = "" if args.rescore else (f"quantkit is {peer[m]['wall_s'] / ours[m]['wall_s']:.2f}x faster than "
+                                         "llm-compressor (wall), ")
+        print(f"\n{m}: {speed}ppl {ours[m]['ppl']:.3f} vs {peer[m]['ppl']:.3f}, KL {ours[m]['kl']:.4f} vs {peer[m]['kl']:.4f}; "
               + kl_difference(ours[m]["kl_rows"], peer[m]["kl_rows"]))
 
 
