@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="any MODEL quantkit resolves (the dense baseline)")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--rescore", metavar="WORK", help="score the checkpoints kept in an earlier run's work folder "
-                    "(its calib.jsonl and {tool}-{method} folders) instead of quantizing")
+                    "(its {tool}-{method} folders) instead of quantizing")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
