@@ -89,12 +89,12 @@ def main() -> None:
 
     dense = resolve(args.model).path
     tokenizer = AutoTokenizer.from_pretrained(dense)
-    calib = build(CalibConfig(samples=args.samples, seqlen=args.seqlen), tokenizer)
     held_out = eval_rows(tokenizer, args.seqlen, args.eval_rows)
     work = Path(args.rescore) if args.rescore else Path(tempfile.mkdtemp(prefix="qk-bench-"))
     print(f"work folder (calibration rows, checkpoints): {work}", file=sys.stderr, flush=True)
     calib_file = work / "calib.jsonl"
     if not args.rescore:
+        calib = build(CalibConfig(samples=args.samples, seqlen=args.seqlen), tokenizer)
         calib_file.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in calib.ids.tolist()))
 
     rows = [{"tool": "dense (bf16)", "method": "-", "wall_s": None, "peak_rss_bytes": None, "ppl": None, "kl": 0.0,
