@@ -20,20 +20,19 @@ import torch
 class TableSwap:
     """Logits of `model` with its input-embedding weight replaced by `table` for the call (the dense one restored)."""
 
-    def __init__(self, model, table: torch.Tensor | None):
-        self.model, self.table = model, table
+    def __init__(self, model, dense: torch.Tensor, table: torch.Tensor | None):
+        self.model, self.dense, self.table = model, dense, table  # dense: a copy of the weight, kept once
         self.weight = model.get_input_embeddings().weight
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:  # ids [b, seq] -> [b, seq, vocab]
         if self.table is None:
             return self.model(ids).logits.float()
-        dense = self.weight.data.clone()
         self.weight.data.copy_(self.table)
         try:
             return self.model(ids).logits.float()
         finally:
-            self.weight.data.copy_(dense)
+            self.weight.data.copy_(self.dense)
 
 
 def main() -> None:
@@ -45,6 +44,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from quantkit.budget.plan import Choice, table_units, unit_bytes
     from quantkit.budget.run import HELDOUT_SEQLEN
     from quantkit.calib.data import eval_rows
     from quantkit.config import Scheme
@@ -55,20 +55,22 @@ def main() -> None:
     path = resolve(args.model).path
     rows = eval_rows(load_tokenizer(path), HELDOUT_SEQLEN, args.rows)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    dense = model.get_input_embeddings().weight.data
+    dense = model.get_input_embeddings().weight.data.clone()
     vocab, hidden = dense.shape
-    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    units = table_units(model)  # one unit when the head is tied to the embedding
+    tied = len(units) == 1
     print(f"{args.model}: table {vocab} x {hidden}, {'tied to the head' if tied else 'untied (the head stays dense)'}, "
           f"{rows.numel()} held-out tokens", flush=True)
-    baseline = TableSwap(model, None)
+    baseline = TableSwap(model, dense, None)
     for label in args.formats.split(","):
         m = re.fullmatch(r"w(\d)(?:g(\d+))?", label.strip())
         if not m:
             raise SystemExit(f"unknown format {label!r}: use w<BITS>[g<GROUP>]")
         bits, group = int(m.group(1)), int(m.group(2)) if m.group(2) else None
-        q = rtn(dense, Scheme(bits=bits, group_size=group, symmetric=True), torch.bfloat16)
-        d = distribution(baseline, TableSwap(model, q.dequantize(torch.float32)), rows)
-        nbytes = vocab * hidden * bits // 8 + q.scale.numel() * 2
+        scheme = Scheme(bits=bits, group_size=group, symmetric=True)
+        q = rtn(dense, scheme, torch.bfloat16)
+        d = distribution(baseline, TableSwap(model, dense, q.dequantize(torch.float32)), rows)
+        nbytes = unit_bytes(units[0], Choice(label, scheme))
         print(json.dumps({"format": label, "table_mb": round(nbytes / 1e6, 2), "kl_mean": d.kl_mean,
                           "top1_agreement": d.top1_agreement}), flush=True)
 
