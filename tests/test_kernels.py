@@ -229,6 +229,30 @@ def test_bf16_panel_gemm_lm_head_matches_and_serves_embedding_rows(isa, dtype):
     assert torch.equal(head.rows(ids), w[ids].to(dtype))
 
 
+@pytest.mark.parametrize("layout", ["bf16_panels", "int8_panels", "dense"])
+def test_scoring_logits_are_float32_sums_not_rounded_to_the_compute_dtype(isa, layout):
+    """`Linear.exact`, the head of a scoring pass (perplexity, KL): float32 logits within float32 sums of
+    float64's on every head layout and row count, where the ordinary call on bf16 activations rounds them to
+    bf16 (on SmolLM2 that rounding alone adds ~0.001 nats to a KL between two bf16 models)."""
+    from quantkit.runtime.layers.linear import Linear
+    from quantkit.runtime.models.llama import _int8_rows
+
+    dtype = torch.bfloat16 if "bfloat16" in fused_ops(isa).panel_dtypes() else torch.float32
+    gen = torch.Generator().manual_seed(11)
+    w = (4 * torch.randn(96, 576, generator=gen)).bfloat16()
+    weight = _int8_rows(w) if layout == "int8_panels" else w
+    head = Linear(weight, None, dtype, "packed", fused=layout != "dense", head=True)
+    assert head.mode == layout
+    dense = weight.dequantize(torch.float32) if layout == "int8_panels" else w.float()
+    x = torch.randn(40, 576, generator=gen).to(dtype)
+    for rows in (1, 8, 40):  # the panel kernel, and above its rows the dequantised weight
+        got, want = head.exact(x[:rows]), x[:rows].double() @ dense.double().T
+        assert got.dtype == torch.float32
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    if dtype == torch.bfloat16:  # (the check can fail: the ordinary product is rounded, by more than the bound above)
+        assert (head(x).double() - x.double() @ dense.double().T).abs().max() > 1e-4 * want.abs().max()
+
+
 @pytest.mark.parametrize("bits, sym", [(4, False), (8, False), (4, True), (8, True)])
 def test_panel_dequant_equals_the_reference_weight(isa, bits, sym):
     """The dense copy prefill-sized float32 inputs multiply: bit for bit the reference's (q - zp) * scale."""

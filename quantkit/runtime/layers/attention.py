@@ -51,6 +51,7 @@ class Batch:
     logits_index: Tensor  # [S] batch positions whose next-token logits are wanted
     decodes: Decodes | None = None
     windowed: Batch | None = None  # the same tokens placed in the sliding-window layers' rings (kv_cache.Ring)
+    scoring: bool = False  # a scoring pass: float32 logits, not rounded to the compute dtype (see Linear.exact)
 
     @classmethod
     def single(cls, tokens: Tensor, block_size: int, all_logits: bool = False, ring: Ring | None = None) -> Batch:
@@ -58,7 +59,8 @@ class Batch:
         (perplexity, KL) outside the scheduler; the last position's, or every position's with `all_logits`."""
         n = len(tokens)
         wanted = torch.arange(n) if all_logits else torch.tensor([n - 1])
-        batch = cls(tokens, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // block_size)))], wanted)
+        batch = cls(tokens, torch.arange(n), torch.arange(n), [SeqSlice(0, n, 0, torch.arange(-(-n // block_size)))], wanted,
+                    scoring=all_logits)
         if ring is not None:
             if n > ring.size * block_size:
                 raise QuantkitError(f"a row of {n} tokens is longer than a sliding-window ring ({ring.size * block_size})")

@@ -32,6 +32,7 @@ F32_PANEL_MAX_ROWS = 32  # float32 panels: above this, the weight dequantised fr
 # 512 rows: 714 ms on the panels, 103 in the AMX GEMM, plus the dequantisation). Without AMX the panels stay (the
 # dense path is unmeasured there).
 AMX_PANEL_MAX_ROWS = 64
+EXACT_SLICE_ROWS = 8192  # Linear.exact: rows of a dense bf16 weight cast to float32 at a time (50 MB at 1,536 wide)
 
 
 @dataclass(slots=True)
@@ -190,6 +191,20 @@ class Linear(nn.Module):
         else:
             y = x @ self.weight.T
         return y if self.bias is None else y + self.bias
+
+    def exact(self, x: Tensor) -> Tensor:  # x [t, in] -> float32 [t, out]
+        """The product not rounded to the compute dtype, for scoring passes (perplexity, KL). bf16 logits are off
+        by up to 1/256 of their size (0.06 at a logit of 16), which on SmolLM2 adds ~0.001 nats to every KL
+        between two bf16 models, a fifth of W8's whole KL. The panel kernels read float32 activations against
+        the same bf16 or int panels and sum in float32 (about the bf16 kernel's time at 512 rows); a dense
+        weight is cast a slice of rows at a time, so a 152k-row head never has a float32 copy."""
+        if self.mode in ("bf16_panels", "int4_panels", "int8_panels"):
+            return self(x.float()).float()
+        if self.mode != "dense":
+            return self(x).float()  # (the int4/int8 PyTorch ops, Triton and the reference: their own rounding)
+        x, step = x.float(), EXACT_SLICE_ROWS
+        y = torch.cat([x @ self.weight[i : i + step].float().T for i in range(0, self.weight.shape[0], step)], dim=1)
+        return y if self.bias is None else y + self.bias.float()
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows of a dense weight (a tied lm_head serving as the embedding): ids [T] -> [T, in]."""

@@ -258,7 +258,8 @@ class LlamaModel(nn.Module):
         else:
             for layer in self.layers:
                 x = layer(x, rope, batch, cache)
-        logits = self.lm_head(self.norm(x[batch.logits_index])).float()
+        h = self.norm(x[batch.logits_index])  # [S, hidden]
+        logits = self.lm_head.exact(h) if batch.scoring else self.lm_head(h).float()
         if self.cfg.final_softcap:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits
