@@ -23,7 +23,6 @@ def serve(path: Path, engine_cfg: EngineConfig, cfg: ServerConfig, host: str = "
     import uvicorn
 
     llm = LLMEngine(path, engine_cfg)
-    llm.warm_up()
     engine = AsyncEngine(llm, cfg.max_waiting)
     config = uvicorn.Config(build_app(engine, cfg), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=drain_seconds, access_log=False)
@@ -42,7 +41,8 @@ def serve(path: Path, engine_cfg: EngineConfig, cfg: ServerConfig, host: str = "
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     thread = threading.Thread(target=http, name="quantkit-http", daemon=True)
-    thread.start()
+    thread.start()  # uvicorn starts while the engine warms up: a request in that moment queues for `run_forever`
+    llm.warm_up()
     announce(llm.describe())
     while not server.started and thread.is_alive():  # "ready" once it listens (a port in use ends the thread)
         time.sleep(0.01)
