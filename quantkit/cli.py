@@ -244,6 +244,7 @@ def models(as_json: bool = JSON, debug: bool = DEBUG) -> None:
 
 
 TASKS_DEFAULT = "ppl,kl,retrieval,tool-use"  # (eval.runner.DEFAULT_TASKS)
+MIN_RETRIEVAL_LENGTH = 128  # tokens: a retrieval prompt's instructions, needles and question are 60-150
 
 
 @app.command(
@@ -291,6 +292,8 @@ def eval_(
         raise QuantkitError(f"--backend {backend}: use runtime, hf or endpoint")
     if dtype not in ("bf16", "fp16", "fp32"):
         raise QuantkitError(f"--dtype {dtype}: use bf16, fp16 or fp32")
+    if limit is not None and limit < 1:
+        raise QuantkitError(f"--limit {limit}: give at least 1 item per task and length (or leave it out)")
     if bfcl_limit is not None and (bfcl_limit < 1 or not bfcl):
         raise QuantkitError("--bfcl-limit needs a positive N and --bfcl categories")
     if backend == "endpoint" or endpoint:
@@ -663,6 +666,9 @@ def _lengths(text: str) -> tuple[int, ...]:
             out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
         except ValueError:
             raise QuantkitError(f"--lengths: {part!r} is not a length like 1k, 2k or 4096") from None
+        if out[-1] < MIN_RETRIEVAL_LENGTH:
+            raise QuantkitError(f"--lengths: {part!r} is shorter than the {MIN_RETRIEVAL_LENGTH} tokens a retrieval "
+                                "item needs (its instructions, needles and question, and filler to hide them in)")
     return tuple(out)
 
 

@@ -132,6 +132,7 @@ def test_budgets_that_cannot_be_met_and_bad_choices_are_one_line(tiny_dir, texts
         (["--budget", "kl=0.01", "--choices", "w3,w8"], "unknown choice 'w3'"),
         (["--budget", "kl=oops"], "--budget kl="),
         (["--choices", "w8"], "--choices needs --budget"),
+        (["--budget", "kl=0.01", "--choices", " , "], "--choices is empty"),
         (["--budget", "kl=0.01", "--method", "bnb-nf4"], "use --method rtn, gptq or awq"),
     ]
     for args, pattern in cases:

@@ -50,6 +50,10 @@ def test_eval_errors_are_one_line(tiny_dir, tmp_path, capsys):
     assert code == 2 and "no quantkit.json" in err and len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, "eval", str(tiny_dir), "--baseline", str(tiny_dir), "--tasks", "vibes")
     assert code == 2 and "unknown task 'vibes'" in err
+    for args, said in ((["--limit", "-3"], "--limit -3"), (["--lengths", "1k,0k"], "'0k' is shorter than the 128")):
+        code, _, err = run(capsys, "eval", str(tiny_dir), "--baseline", str(tiny_dir), "--out", str(tmp_path / "ev"), *args)
+        assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "ev").exists()
 
 
 @pytest.mark.integration

@@ -72,7 +72,7 @@ def parse_choice(label: str, symmetric: bool = True) -> Choice:
 def parse_choices(text: str | None, units: list[Unit], symmetric: bool = True) -> list[Choice]:
     """The user's list, or the default for the model: 4-bit at the largest group (128, 64, 32) dividing every
     width and at half that, 8-bit per channel, dense."""
-    if text:
+    if text is not None:
         choices = [parse_choice(c.strip(), symmetric) for c in text.split(",") if c.strip()]
         if not choices:
             raise QuantkitError("--choices is empty: give e.g. w4g128,w8,dense")
