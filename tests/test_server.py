@@ -136,6 +136,13 @@ def test_json_mode_returns_one_json_object(smollm2_server):
     with pytest.raises(openai.BadRequestError, match="json_schema"):
         client.chat.completions.create(model="smollm2-w4", messages=ask, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})
+    # completions take it too (vLLM's extension), the same way, rather than ignoring it
+    prompt = "Paris as a JSON object with keys city and country:"
+    text = client.completions.create(model="smollm2-w4", prompt=prompt, temperature=0, max_tokens=60,
+                                     extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert text.finish_reason == "stop" and isinstance(json.loads(text.text), dict)
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        client.completions.create(model="smollm2-w4", prompt=prompt, extra_body={"response_format": {"type": "json_schema"}})
 
 
 def test_errors_are_openai_style_and_leave_the_server_up(smollm2_server):
@@ -150,6 +157,8 @@ def test_errors_are_openai_style_and_leave_the_server_up(smollm2_server):
         client.chat.completions.create(model="gpt-9", messages=QUESTION)
     with pytest.raises(openai.BadRequestError, match="unknown message role 'wizard': use one of system, developer, user"):
         client.chat.completions.create(model="smollm2-w4", messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="a user message needs `content`"):
+        client.chat.completions.create(model="smollm2-w4", messages=[{"role": "user"}])
     dev = client.chat.completions.create(model="smollm2-w4", max_tokens=2, temperature=0,
                                          messages=[{"role": "developer", "content": "Be brief."}, *QUESTION])
     assert dev.choices[0].message.content

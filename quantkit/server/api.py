@@ -283,7 +283,8 @@ async def _completions(api: Api, req: CompletionRequest, raw: Request):
     budgets = [api.budget(p, req.max_tokens) for p in prompts]
     score = top if req.echo and top is not None else None
     rid = f"cmpl-{uuid.uuid4().hex}"
-    choices = api.choices(prompts, req, rid, lambda i, j: api.params(req, budgets[i], j, top, score))
+    json_mode = _json_mode(req)
+    choices = api.choices(prompts, req, rid, lambda i, j: api.params(req, budgets[i], j, top, score, json_mode))
     usage_prompt = sum(map(len, prompts))
     if req.stream:
         return _sse(_completion_chunks(api, req, rid, choices, usage_prompt))
@@ -341,13 +342,20 @@ def _prompt_ids(api: Api, prompt, special: bool = True) -> list[list[int]]:
     return out
 
 
+def _json_mode(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether `response_format` asks for a JSON object; a schema is refused rather than ignored."""
+    if req.response_format is None or req.response_format.type == "text":
+        return False
+    if req.response_format.type != "json_object":
+        raise ApiError(400, "response_format json_schema is not supported: use {\"type\": \"json_object\"} (any JSON "
+                            "object) and describe the fields in the prompt", param="response_format")
+    return True
+
+
 # --- /v1/chat/completions -----------------------------------------------------------------------
 async def _chat(api: Api, req: ChatCompletionRequest, raw: Request):
     api.check(req)
-    json_mode = req.response_format is not None and req.response_format.type != "text"
-    if json_mode and req.response_format.type != "json_object":
-        raise ApiError(400, "response_format json_schema is not supported: use {\"type\": \"json_object\"} (any JSON "
-                            "object) and describe the fields in the prompt", param="response_format")
+    json_mode = _json_mode(req)
     tool_choice = req.tool_choice if req.tools else "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if tool_choice != "none" else []
     names = [t["function"]["name"] for t in tools]
@@ -530,6 +538,8 @@ def _message(m: Any, native_tools: bool) -> dict:
     if m["role"] == "developer":  # OpenAI's newer name for the system role; chat templates know only "system"
         m = {**m, "role": "system"}
     content = m.get("content")
+    if content is None and m["role"] != "assistant":  # (an assistant's may be null: it made tool calls)
+        raise ApiError(400, f"a {m['role']} message needs `content`", param="messages")
     if isinstance(content, list):  # content parts: only text is understood
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
             raise ApiError(400, "only text content parts are supported", param="messages")

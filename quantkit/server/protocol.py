@@ -41,8 +41,14 @@ class Request(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class CompletionRequest(Request):
     prompt: str | list[str] | list[int] | list[list[int]]
+    response_format: ResponseFormat | None = None  # vLLM's extension on completions
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -60,11 +66,6 @@ class Function(BaseModel):
 class Tool(BaseModel):
     type: Literal["function"] = "function"
     function: Function
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(Request):
