@@ -552,6 +552,9 @@ def bench(
         w = Workload(b, input_len, output_len)
         engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
                                               max_num_batched_tokens=max(2048, input_len), lm_head=lm_head, speculative=spec))
+        if input_len + output_len > engine.max_len:
+            raise QuantkitError(f"--input-len {input_len} plus --output-len {output_len} exceed the {engine.max_len} tokens "
+                                "a sequence may reach here (the model's context, or the KV cache)")
         ui.note(engine.describe())
         engine.warm_up()
         load = {k: round(v, 3) for k, v in engine.timings.items()}

@@ -7,6 +7,7 @@ This module strings the stages together; each stage lives in its own module.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from quantkit.calib.sequential import (
 from quantkit.config import Recipe, Scheme
 from quantkit.formats.load import SafetensorsSource
 from quantkit.formats.save import (
+    MANIFEST_NAME,
     ShardWriter,
     atomic_dir,
     check_output,
@@ -199,9 +201,21 @@ def open_source(spec: str, recipe: Recipe, ui: Reporter) -> tuple[ResolvedModel,
     with ui.step(f"resolving {spec}"):
         resolved = resolve(spec, status=ui.note)
     config = read_config(resolved.path)
+    if (done := config.get("quantization_config")) is not None:
+        raise QuantkitError(f"{spec} is already quantized ({done.get('quant_method', 'a quantization_config')}): quantize "
+                            f"its dense baseline{_baseline_hint(resolved.path)}")
     arch = arch_of(config, resolved.path)
     recipe.dtype = recipe.dtype or source_dtype(config)
     return resolved, config, arch
+
+
+def _baseline_hint(path: Path) -> str:
+    """", MODEL" when a quantkit checkpoint's manifest names the model it was made from."""
+    try:
+        source = json.loads((path / MANIFEST_NAME).read_text())["source"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f", {source}"
 
 
 def run_quantize(

@@ -65,6 +65,14 @@ def test_bad_options(tiny_dir, tmp_path, capsys, args, message):
     assert not (tmp_path / "o").exists()
 
 
+def test_quantizing_a_quantized_checkpoint_names_its_baseline(tiny_dir, tmp_path, capsys):
+    assert run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "w4"), "-g", "32", "-q")[0] == 0
+    for extra in ([], ["--budget", "kl=0.1"]):
+        code, _, err = run(capsys, "quantize", str(tmp_path / "w4"), "-o", str(tmp_path / "again"), *extra)
+        assert_one_line_error(code, err, f"is already quantized (compressed-tensors): quantize its dense baseline, {tiny_dir}")
+        assert not (tmp_path / "again").exists()
+
+
 def test_model_not_found(tmp_path, capsys):
     code, _, err = run(capsys, "quantize", str(tmp_path / "missing"), "-o", str(tmp_path / "o"))
     assert_one_line_error(code, err, "model not found")
@@ -131,7 +139,9 @@ def test_cuda_requested_without_one(tiny_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [(["--kv-cache", "int4"], "--kv-cache must be fp8 or none"),
                                            (["--kv-strategy", "token"], "--kv-strategy must be one of tensor, head"),
-                                           (["--method", "magic"], "--method must be one of")])
+                                           (["--method", "magic"], "--method must be one of"),
+                                           (["--method", "gptq", "--calib", "no-such-dir/calib.txt"],
+                                            "text file not found: no-such-dir/calib.txt")])
 def test_bad_calibrated_options(tiny_dir, tmp_path, capsys, args, message):
     code, _, err = run(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "o"), *args)
     assert_one_line_error(code, err, message)

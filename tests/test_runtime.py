@@ -204,7 +204,8 @@ def test_smollm2_greedy_matches_hf_under_continuous_batching(smollm2_dir):
 
 def test_bench_and_engine_errors_are_one_line(tiny_dir, capsys):
     for args, words in [(["--batch-sizes", "x"], "--batch-sizes"), (["--kernel", "fast"], "kernel fast"),
-                        (["--dtype", "fp64"], "dtype fp64"), (["--kv-cache-dtype", "int2"], "kv cache dtype int2")]:
+                        (["--dtype", "fp64"], "dtype fp64"), (["--kv-cache-dtype", "int2"], "kv cache dtype int2"),
+                        (["--input-len", "100000"], "--input-len 100000 plus --output-len 2 exceed the")]:
         code, _, err = run_cli(capsys, "bench", "--offline", str(tiny_dir), "--input-len", "8", "--output-len", "2", *args)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run_cli(capsys, "bench", "--offline", "no/such-model-dir-here")

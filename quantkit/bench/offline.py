@@ -46,6 +46,10 @@ def prompts_for(tokenizer, w: Workload) -> list[list[int]]:
 
     text = " ".join(builtin_texts("eval"))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if w.input_len >= len(ids):
+        from quantkit import QuantkitError
+
+        raise QuantkitError(f"--input-len {w.input_len}: the built-in text the prompts are cut from is {len(ids)} tokens")
     gen = torch.Generator().manual_seed(w.seed)
     starts = torch.randint(0, len(ids) - w.input_len, (w.batch,), generator=gen).tolist()
     return [ids[s : s + w.input_len] for s in starts]

@@ -78,7 +78,7 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
     check_output(out, force)
     if recipe.method not in ("rtn", "gptq", "awq"):
         raise QuantkitError(f"--budget chooses among integer schemes per layer: use --method rtn, gptq or awq, not {recipe.method}")
-    if choices_text:
+    if choices_text is not None:
         parse_choices(choices_text, [], recipe.symmetric)  # an unknown choice fails before any slow work
     timings: dict[str, float] = {}
     start = time.perf_counter()

@@ -69,12 +69,17 @@ def builtin_texts(part: str) -> list[str]:
     return [b for i, b in enumerate(blocks) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1 and b not in seen]
 
 
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
+
+
 def load_texts(cfg: CalibConfig, tokenizer=None) -> list[str]:
     if cfg.source == BUILTIN:
         return builtin_texts("calib")
-    path = Path(cfg.source)
+    path = Path(cfg.source).expanduser()
     if path.exists():
         return _file_texts(path, cfg, tokenizer)
+    if path.suffix.lower() in TEXT_SUFFIXES or cfg.source.startswith((".", "/", "~")):  # a file, not a dataset name
+        raise QuantkitError(f"text file not found: {cfg.source}")
     return _hub_texts(cfg, tokenizer)
 
 
