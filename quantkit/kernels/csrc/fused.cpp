@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -197,9 +198,11 @@ inline void read_row(const c10::Float8_e4m3fn* src, float* dst, int64_t n, float
   }
 }
 
-// out[i] = w * round(x[i] * rsqrt(mean(x[i]^2) + eps)), optionally after x[i] += r[i] (stored to sum).
-template <typename T>
-void rms_norm_rows(const T* x, const T* r, T* sum, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+// out[i] = w * round(x[i] * rsqrt(mean(x[i]^2) + eps)), optionally after x[i] += r[i] (stored to sum): Llama's
+// rounding. A float32 weight W on bf16/fp16 x is Gemma's: round(x[i] * rsqrt(..) * w), the product in float32 (its
+// weight holds 1 + w already).
+template <typename T, typename W = T>
+void rms_norm_rows(const T* x, const T* r, T* sum, const W* w, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
     std::vector<float> h(n);
     for (int64_t i = b; i < e; ++i) {
@@ -212,32 +215,42 @@ void rms_norm_rows(const T* x, const T* r, T* sum, const T* w, T* out, int64_t r
       for (int64_t j = 0; j < n; ++j) ss += h[j] * h[j];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* oi = out + i * n;
-      for (int64_t j = 0; j < n; ++j) oi[j] = T(f(w[j]) * f(T(h[j] * inv)));
+      if constexpr (std::is_same_v<T, W>)
+        for (int64_t j = 0; j < n; ++j) oi[j] = T(f(w[j]) * f(T(h[j] * inv)));
+      else
+        for (int64_t j = 0; j < n; ++j) oi[j] = T(h[j] * inv * w[j]);
     }
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm: contiguous x, w of one dtype");
-  auto out = at::empty_like(x);
+// x's dtype, with w of that dtype (Llama's rounding) or float32 (Gemma's); r and sum optional.
+void rms_norm_dispatch(const at::Tensor& x, const at::Tensor* r, at::Tensor* sum, const at::Tensor& w, at::Tensor& out, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && (!r || r->is_contiguous()), "rms_norm: contiguous tensors");
+  TORCH_CHECK((!r || (r->sizes() == x.sizes() && r->scalar_type() == x.scalar_type())), "rms_norm: x and r of one shape and dtype");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat, "rms_norm: w of x's dtype or float32");
   const int64_t n = x.size(-1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            x.numel() / n, n, static_cast<float>(eps));
+    const scalar_t* rp = r ? r->data_ptr<scalar_t>() : nullptr;
+    scalar_t* sp = sum ? sum->data_ptr<scalar_t>() : nullptr;
+    if (w.scalar_type() == x.scalar_type())
+      rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), rp, sp, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel() / n, n,
+                              static_cast<float>(eps));
+    else
+      rms_norm_rows<scalar_t, float>(x.data_ptr<scalar_t>(), rp, sp, w.data_ptr<float>(), out.data_ptr<scalar_t>(), x.numel() / n,
+                                     n, static_cast<float>(eps));
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  auto out = at::empty_like(x);
+  rms_norm_dispatch(x, nullptr, nullptr, w, out, eps);
   return out;
 }
 
 // (x + r, rms_norm(x + r)): the residual add and the next norm in one pass.
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.is_contiguous() && r.is_contiguous() && w.is_contiguous() && x.sizes() == r.sizes(), "add_rms_norm: contiguous x, r of one shape");
-  TORCH_CHECK(x.scalar_type() == r.scalar_type() && x.scalar_type() == w.scalar_type(), "add_rms_norm: one dtype");
   auto sum = at::empty_like(x), out = at::empty_like(x);
-  const int64_t n = x.size(-1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), x.numel() / n, n, static_cast<float>(eps));
-  });
+  rms_norm_dispatch(x, &r, &sum, w, out, eps);
   return {sum, out};
 }
 

@@ -14,11 +14,12 @@ from quantkit.kernels import fused as fused_kernels
 
 class RMSNorm(nn.Module):
     """Llama's norm, w * norm(x) rounded to x's dtype first; with `offset` (Gemma: 1), (offset + w) * norm(x) in
-    float32, then rounded, as Gemma computes it (the PyTorch ops: the fused op has Llama's rounding)."""
+    float32, then rounded, as Gemma computes it. The fused op does either, by its weight's dtype (float32:
+    Gemma's): one call where the PyTorch ops are eight, and Gemma 3 runs 6 norms a layer."""
 
     def __init__(self, weight: Tensor, eps: float, dtype: torch.dtype, fused: bool = False, offset: float = 0.0):
         super().__init__()
-        self.eps, self.fused, self.offset = eps, fused and not offset, offset
+        self.eps, self.fused, self.offset = eps, fused, offset
         self.weight = (offset + weight.float()).contiguous() if offset else weight.to(dtype).contiguous()
 
     def forward(self, x: Tensor) -> Tensor:  # [..., hidden]

@@ -148,8 +148,8 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = norm(arch.attn_out_norm) if arch.attn_out_norm else None
         self.mlp_out_norm = norm(arch.mlp_out_norm) if arch.mlp_out_norm else None
         qn, kn = w.get(f"{p}.self_attn.q_norm.weight"), w.get(f"{p}.self_attn.k_norm.weight")
-        self.q_norm = None if qn is None else RMSNorm(qn, cfg.rms_norm_eps, dtype, offset=arch.norm_offset)
-        self.k_norm = None if kn is None else RMSNorm(kn, cfg.rms_norm_eps, dtype, offset=arch.norm_offset)
+        self.q_norm = None if qn is None else RMSNorm(qn, cfg.rms_norm_eps, dtype, fused, arch.norm_offset)
+        self.k_norm = None if kn is None else RMSNorm(kn, cfg.rms_norm_eps, dtype, fused, arch.norm_offset)
 
     def forward(self, x: Tensor, rope: dict[str, tuple[Tensor, Tensor]], batch: Batch, cache: KVCache) -> Tensor:  # x [T, hidden]
         cfg, t = self.cfg, x.shape[0]
