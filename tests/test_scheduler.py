@@ -104,3 +104,21 @@ def test_abort_frees_blocks_and_leaves_others_running():
     while s.unfinished:
         step(s)
     assert s.blocks.num_used == 0 and len(b.output) == 3
+
+
+def test_argmax_rows_equals_torch_argmax_with_ties_and_odd_widths():
+    """The sampler's two-pass argmax picks what torch.argmax picks (the first maximum) for any width, including
+    ties inside one chunk and across chunks, -inf rows and widths that are not a multiple of the chunk."""
+    import torch
+
+    from quantkit.runtime.sampler import ARGMAX_CHUNK, argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (7, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 49152, 151936):
+        x = torch.randn(5, vocab, generator=gen)
+        x[1, :] = 0.0  # all tied: index 0
+        x[2, vocab // 2] = x[2, -1] = 100.0  # tied across chunks: the first
+        x[3, :] = float("-inf")
+        x[3, vocab - 1] = 1.0  # the last, in a padded chunk
+        x[4] = x[4].round()  # many ties inside each chunk
+        assert torch.equal(argmax_rows(x), x.argmax(-1)), vocab

@@ -78,19 +78,35 @@ def filter_logits(logits: Tensor, p: SamplingParams) -> Tensor:
     return logits
 
 
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """logits [S, vocab] -> [S] int64, equal to `logits.argmax(-1)` (the first maximum), in two passes: the maximum
+    of each chunk of 1,024, then the first chunk holding the row's maximum searched alone. PyTorch's CPU argmax
+    runs ~30x slower than its max (0.69 ms for one row of Gemma's 262,144 logits, against 0.02); this is 3-10x
+    faster than it for 1-32 rows."""
+    rows, vocab = logits.shape
+    pad = (-vocab) % ARGMAX_CHUNK
+    x = logits if not pad else torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    chunks = x.view(rows, -1, ARGMAX_CHUNK)  # [S, chunks, 1024]
+    first = chunks.amax(-1).argmax(-1)  # [S]: the first chunk whose maximum is the row's
+    return first * ARGMAX_CHUNK + chunks[torch.arange(rows, device=logits.device), first].argmax(-1)
+
+
 def sample_rows(logits: Tensor, params: list[SamplingParams], seen: list[list[int]], generators: list[torch.Generator | None]) -> list[Sample]:
     """logits [S, vocab] float32 -> the next token of each row, with its log-probability under the model's
     distribution. The log-softmax and the greedy argmax run once for the batch (per row they were ~3 ms of a
     32-sequence CPU step)."""
     logprobs = logits.log_softmax(-1)  # [S, vocab]
-    best = logits.argmax(-1).tolist() if any(p.greedy for p in params) else []
+    best = argmax_rows(logits).tolist() if any(p.greedy for p in params) else []
     out = []
     for i, p in enumerate(params):
         if p.greedy and (p.repetition_penalty == 1.0 or not seen[i]):  # nothing to penalize: the batch's argmax
             token = best[i]
         else:
             adjusted = penalize(logits[i], seen[i], p.repetition_penalty)
-            token = int(adjusted.argmax()) if p.greedy else int(torch.multinomial(filter_logits(adjusted, p).softmax(-1), 1, generator=generators[i]))
+            token = int(argmax_rows(adjusted[None])[0]) if p.greedy else int(torch.multinomial(filter_logits(adjusted, p).softmax(-1), 1, generator=generators[i]))
         out.append(scored(logprobs[i], token, p.logprobs))
     return out
 

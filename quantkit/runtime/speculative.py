@@ -28,6 +28,7 @@ import torch
 from quantkit import QuantkitError
 from quantkit.runtime.kv_cache import CacheSpec, KVCache
 from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
+from quantkit.runtime.sampler import argmax_rows
 from quantkit.runtime.sequence import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16  # verified positions beyond this buy nothing at realistic acceptance rates
@@ -136,7 +137,7 @@ class DraftModel:
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
         decodes = Decodes.of(rows, tables, lengths, self.device)
         logits = self.model(Batch(t(tokens), t(positions), t(slots), slices, t(wanted), decodes), self.cache)
-        return logits.argmax(-1).tolist()
+        return argmax_rows(logits).tolist()
 
 
 def check_draft(target_path: Path, draft_path: Path, target_tok, draft_tok) -> None:
