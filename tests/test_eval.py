@@ -1,6 +1,7 @@
 """`quantkit eval` end to end: the tiny model for the machinery, SmolLM2 for the verdicts."""
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -54,6 +55,11 @@ def test_eval_errors_are_one_line(tiny_dir, tmp_path, capsys):
         code, _, err = run(capsys, "eval", str(tiny_dir), "--baseline", str(tiny_dir), "--out", str(tmp_path / "ev"), *args)
         assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "ev").exists()
+    other = tmp_path / "other"  # the same model under another vocabulary: one word renamed
+    shutil.copytree(tiny_dir, other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace('"w251"', '"v251"'))
+    code, _, err = run(capsys, "eval", str(tiny_dir), "--baseline", str(other), "--tasks", "kl", "--out", str(tmp_path / "ev"))
+    assert code == 2 and "different vocabularies (256 and 256 tokens)" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.integration

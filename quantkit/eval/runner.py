@@ -316,6 +316,7 @@ def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
             quant = EndpointBackend(cfg.endpoint, ckpt.path, "quantized", cfg.served_model, cfg.api_key)
         else:
             quant = local(ckpt.path, "quantized")
+        _same_vocabulary(base, quant)
     steps = [("distribution", ("ppl" in cfg.tasks or "kl" in cfg.tasks), run_distribution),
              ("retrieval", "retrieval" in cfg.tasks, run_retrieval), ("tool-use", "tool-use" in cfg.tasks, run_tool_use),
              ("acceptance", "acceptance" in cfg.tasks, run_acceptance)]
@@ -326,6 +327,15 @@ def run_eval(ckpt, baseline, cfg: EvalConfig, ui: Reporter) -> EvalReport:
             report.timings_s[name] = round(time.perf_counter() - start, 2)
     report.details["baseline_cached"] = cache.hits
     return report
+
+
+def _same_vocabulary(base, quant) -> None:
+    """Every task compares the two models token by token on the baseline's token ids: models with different
+    vocabularies are one line here, not an index error halfway through the first task."""
+    a, b = base.tokenizer, quant.tokenizer
+    if a is not None and b is not None and (len(a) != len(b) or a.get_vocab() != b.get_vocab()):
+        raise QuantkitError(f"the baseline and the quantized model have different vocabularies ({len(a):,} and {len(b):,} "
+                            "tokens): compare a checkpoint with the model it was quantized from (--baseline)")
 
 
 def _fields(cfg: EvalConfig) -> dict:

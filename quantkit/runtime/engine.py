@@ -86,10 +86,12 @@ class LLMEngine:
         self.dtype = _compute_dtype(cfg.dtype, hf, cfg.device)
         if cfg.lm_head not in ("auto", "int8"):
             raise QuantkitError(f"lm_head {cfg.lm_head}: use auto or int8")
+        t0 = time.perf_counter()  # the tokenizer first: a checkpoint without one fails before its weights load
+        self.tokenizer = tokenizer if tokenizer is not None else serving_tokenizer(self.path)
+        tokenizer_s = time.perf_counter() - t0
         self.model = LlamaModel.load(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
         m = self.model.cfg
-        t0 = time.perf_counter()
-        self.tokenizer = tokenizer if tokenizer is not None else serving_tokenizer(self.path)
+        t0 = time.perf_counter() - tokenizer_s
         self.eos = _eos_ids(self.path, self.tokenizer)
         self.context_length = m.max_position
         kv_dtype, scales, self.kv_warning = _kv_dtype(cfg.kv_cache_dtype, self.dtype, self.model.kv_scales, m.num_layers)
