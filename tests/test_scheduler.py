@@ -122,3 +122,19 @@ def test_argmax_rows_equals_torch_argmax_with_ties_and_odd_widths():
         x[3, vocab - 1] = 1.0  # the last, in a padded chunk
         x[4] = x[4].round()  # many ties inside each chunk
         assert torch.equal(argmax_rows(x), x.argmax(-1)), vocab
+
+
+def test_sample_rows_scores_only_the_rows_that_ask():
+    """Log-probabilities for the rows whose request asked (their value under the full log-softmax), none for
+    the others, whose tokens are the same either way."""
+    import torch
+
+    from quantkit.runtime.sampler import sample_rows
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, logprobs=2), SamplingParams(max_tokens=1)]
+    out = sample_rows(logits, params, [[], [], []], [None] * 3)
+    assert [s.token for s in out] == logits.argmax(-1).tolist()
+    assert out[0].logprob is None and out[2].logprob is None and out[0].top == out[2].top == []
+    want = logits[1].log_softmax(-1)
+    assert out[1].logprob == want[out[1].token].item() and [t for t, _ in out[1].top] == want.topk(2).indices.tolist()

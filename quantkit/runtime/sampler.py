@@ -47,7 +47,7 @@ class SamplingParams:
 @dataclass(slots=True)
 class Sample:
     token: int
-    logprob: float
+    logprob: float | None  # None unless the request asked for log-probabilities (SamplingParams.logprobs)
     top: list[tuple[int, float]]  # (token, logprob), best first; empty unless asked
 
 
@@ -96,9 +96,11 @@ def argmax_rows(logits: Tensor) -> Tensor:
 
 def sample_rows(logits: Tensor, params: list[SamplingParams], seen: list[list[int]], generators: list[torch.Generator | None]) -> list[Sample]:
     """logits [S, vocab] float32 -> the next token of each row, with its log-probability under the model's
-    distribution. The log-softmax and the greedy argmax run once for the batch (per row they were ~3 ms of a
-    32-sequence CPU step)."""
-    logprobs = logits.log_softmax(-1)  # [S, vocab]
+    distribution for the rows that asked for it. The log-softmax (of those rows) and the greedy argmax run once
+    for the batch (per row they were ~3 ms of a 32-sequence CPU step); rows that did not ask skip the log-softmax
+    (17 ms a step for 32 rows of Gemma's 262,144 logits)."""
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = dict(zip(asked, logits[asked].log_softmax(-1))) if asked else {}  # row -> [vocab]
     best = argmax_rows(logits).tolist() if any(p.greedy for p in params) else []
     out = []
     for i, p in enumerate(params):
@@ -107,7 +109,7 @@ def sample_rows(logits: Tensor, params: list[SamplingParams], seen: list[list[in
         else:
             adjusted = penalize(logits[i], seen[i], p.repetition_penalty)
             token = int(argmax_rows(adjusted[None])[0]) if p.greedy else int(torch.multinomial(filter_logits(adjusted, p).softmax(-1), 1, generator=generators[i]))
-        out.append(scored(logprobs[i], token, p.logprobs))
+        out.append(scored(logprobs[i], token, p.logprobs) if i in logprobs else Sample(token, None, []))
     return out
 
 
