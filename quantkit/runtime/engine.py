@@ -91,7 +91,7 @@ class LLMEngine:
         tokenizer_s = time.perf_counter() - t0
         self.model = LlamaModel.load(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
         m = self.model.cfg
-        t0 = time.perf_counter() - tokenizer_s
+        t0 = time.perf_counter()
         self.eos = _eos_ids(self.path, self.tokenizer)
         self.context_length = m.max_position
         kv_dtype, scales, self.kv_warning = _kv_dtype(cfg.kv_cache_dtype, self.dtype, self.model.kv_scales, m.num_layers)
@@ -122,7 +122,7 @@ class LLMEngine:
         if self.drafter:
             self.drafter.allocate(blocks, self.dtype)
         self.timings = dict(self.model.timings)  # seconds: kernels, load (checkpoint, tokenizer, KV cache), repack
-        self.timings["load"] += time.perf_counter() - t0
+        self.timings["load"] += tokenizer_s + time.perf_counter() - t0  # the tokenizer, eos ids and the KV cache
         self.blocks = BlockManager(blocks, cfg.block_size, cfg.prefix_caching, self.rings)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, chunk), self.blocks)
         self.seqs: dict[str, Sequence] = {}
