@@ -41,9 +41,9 @@ QUIET = typer.Option(False, "--quiet", "-q", help="No progress and no summary ta
 def quantize(
     model: str = typer.Argument(..., help="Local HF directory, hub id (org/name), .gguf file, or smollm2-135m."),
     out: Path = typer.Option(..., "--out", "-o", help="Output checkpoint directory."),
-    bits: int | None = typer.Option(None, "--bits", "-b", help="Weight bits: 4 or 8.  [default: 4]"),
+    bits: int | None = typer.Option(None, "--bits", "-b", help="Weight bits: 4 or 8 (5 and 6: smaller than 8, vLLM runs them only on CUDA with Humming).  [default: 4]"),
     group_size: int | None = typer.Option(
-        None, "--group-size", "-g", help="Columns per scale; -1 = per channel.  [default: 128 at 4 bits, per channel at 8]"
+        None, "--group-size", "-g", help="Columns per scale; -1 = per channel.  [default: 128 below 8 bits, per channel at 8]"
     ),
     asym: bool | None = typer.Option(None, "--asym/--sym", help="Asymmetric (zero points) or symmetric.  [default: sym]"),
     method: str | None = typer.Option(

@@ -20,7 +20,10 @@ METHODS = ("rtn", "gptq", "awq", "none", "bnb-nf4", "bnb-int8")
 CALIBRATED = ("gptq", "awq")
 KV_STRATEGIES = ("tensor", "head")
 DTYPES = ("bf16", "fp16")
-DEFAULT_GROUP_4BIT = 128
+DEFAULT_GROUP_4BIT = 128  # (also 5 and 6 bits)
+# 4 and 8 run on every engine; 5 and 6 (compressed-tensors packs them densely) load in HF transformers, run on
+# quantkit's int8 kernels (held as int8 in memory) and in vLLM only through its Humming kernels (CUDA)
+WEIGHT_BITS = (4, 5, 6, 8)
 FALLBACK_GROUPS = (64, 32)
 
 
@@ -109,8 +112,8 @@ def validate_field(name: str, value: Any, where: str) -> Any:
             raise _bad(where, name, f"must be one of {', '.join(METHODS)}, got {value!r}")
         return value
     if name == "bits":
-        if isinstance(value, bool) or value not in (4, 8):
-            raise _bad(where, name, f"must be 4 or 8, got {value!r}")
+        if isinstance(value, bool) or value not in WEIGHT_BITS:
+            raise _bad(where, name, f"must be 4, 5, 6 or 8, got {value!r}")
         return int(value)
     if name == "group_size":
         if value is None or value == -1 or value == "channel":
@@ -217,6 +220,6 @@ def build_recipe(recipe_specs: list[str], overrides: dict[str, Any], extra_ignor
     if "group_size" in fields:
         recipe.group_size = fields["group_size"]
         recipe.group_size_explicit = True
-    elif recipe.bits == 4:
+    elif recipe.bits < 8:
         recipe.group_size = DEFAULT_GROUP_4BIT
     return recipe

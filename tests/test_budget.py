@@ -10,8 +10,10 @@ import random
 import pytest
 import torch
 from conftest import run_cli
+from safetensors.torch import load_file
 from test_cli import assert_one_line_error
 
+from quantkit import QuantkitError
 from quantkit.budget.plan import Choice, Unit, _lower_hull, choose, parse_budget, parse_choice
 
 
@@ -66,6 +68,10 @@ def test_budget_and_choice_parsing():
     assert parse_budget("bits=4.5").kind == "bits"
     assert parse_choice("w4g64").scheme.group_size == 64 and parse_choice("w8").scheme.group_size is None
     assert parse_choice("dense").scheme is None
+    assert parse_choice("w6g64").scheme.bits == 6 and parse_choice("w5").scheme.group_size is None
+    for bad in ("w7", "w6g60", "w3g64"):
+        with pytest.raises(QuantkitError, match="unknown choice"):
+            parse_choice(bad)
 
 
 def test_a_kl_budget_is_met_on_held_out_rows_and_the_mix_loads_in_hf(tiny_dir, texts, tmp_path, capsys):
@@ -109,6 +115,39 @@ def test_a_kl_budget_is_met_on_held_out_rows_and_the_mix_loads_in_hf(tiny_dir, t
     assert code == 0, err
     row = next(r for r in json.loads(stdout)["summary"] if r["task"] == "budget")
     assert row["verdict"] == "met" and row["quantized"] == pytest.approx(report["measured_kl"], rel=1e-3)
+
+
+def test_a_six_bit_choice_is_written_densely_packed_and_reads_the_same_everywhere(tiny_dir, texts, tmp_path, capsys):
+    """--choices with w6g64 under bits=6: 6-bit units in their own config group (num_bits 6), packed as
+    compressed-tensors packs them (HF loads them with no missing weights and agrees), the runtime's int8 kernels read
+    the same values, and the report's bytes are the file's."""
+    from transformers import AutoModelForCausalLM
+    from test_runtime import prefill_logits
+
+    from quantkit.formats.inspect import inspect_checkpoint
+    from quantkit.runtime.engine import EngineConfig, LLMEngine
+
+    out = tmp_path / "w6"
+    code, stdout, err = budgeted(capsys, tiny_dir, out, texts, "--budget", "bits=6", "--choices", "w4g64,w6g64,w8")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert "w6g64" in {u["choice"] for u in report["units"]} and report["average_bits"] <= 6
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert 6 in {g["weights"]["num_bits"] for g in groups.values()}
+    packed = sum(t.numel() * t.element_size() for name, t in load_file(out / "model.safetensors").items()
+                 if name.endswith(("weight_packed", "weight_scale")) and ".layers." in name)
+    assert packed == report["linear_bytes"]
+    assert inspect_checkpoint(out).linear_bits == pytest.approx(report["average_bits"], rel=0.02)
+
+    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    prompt = torch.tensor([1, 20, 31, 7, 99, 140, 8, 61])
+    with torch.no_grad():
+        want = hf.eval()(prompt[None]).logits[0, -1]
+    scale = want.abs().max().item()
+    for kernel, tol in (("reference", 1e-4), ("packed", 2e-2)):
+        got = prefill_logits(LLMEngine(out, EngineConfig(dtype="fp32", kernel=kernel)), prompt)
+        assert (got - want).abs().max().item() < tol * scale, kernel
 
 
 @pytest.mark.parametrize("budget", ["bits=5", "size=600KB"])

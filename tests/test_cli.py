@@ -51,7 +51,7 @@ def test_quiet_prints_nothing(tiny_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--bits", "5"], "--bits must be 4 or 8"),
+        (["--bits", "7"], "--bits must be 4, 5, 6 or 8"),
         (["-g", "48"], "group size 48 does not divide the input width 128 of model.layers.0.self_attn.q_proj"),
         (["--recipe", "nope"], "recipe 'nope' not found"),
         (["--dtype", "fp32"], "--dtype must be one of bf16, fp16"),
@@ -127,7 +127,7 @@ def test_console_entry_points():
     assert version.returncode == 0 and version.stdout.startswith("quantkit ")
     bad = subprocess.run([sys.executable, "-m", "quantkit", "quantize", "x", "-o", "y", "--bits", "3"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --bits must be 4 or 8, got 3"
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --bits must be 4, 5, 6 or 8, got 3"
 
 
 def test_cuda_requested_without_one(tiny_dir, tmp_path, capsys):

@@ -38,7 +38,7 @@ def test_later_recipe_overrides_earlier(tmp_path):
 
 @pytest.mark.parametrize(
     "text, field",
-    [("grup_size: 64\n", "grup_size"), ("bits: 5\n", "bits"), ("group_size: 60\n", "group_size"),
+    [("grup_size: 64\n", "grup_size"), ("bits: 7\n", "bits"), ("group_size: 60\n", "group_size"),
      ("symmetric: maybe\n", "symmetric"), ("method: magic\n", "method"), ("dtype: fp8\n", "dtype")],
 )
 def test_bad_field_is_named(tmp_path, text, field):
@@ -49,7 +49,7 @@ def test_bad_field_is_named(tmp_path, text, field):
 
 
 def test_bad_flag_names_the_flag():
-    with pytest.raises(QuantkitError, match="--bits must be 4 or 8"):
+    with pytest.raises(QuantkitError, match="--bits must be 4, 5, 6 or 8"):
         build_recipe([], {"bits": 3})
 
 

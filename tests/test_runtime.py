@@ -106,7 +106,8 @@ def test_quantized_logits_match_hf_loading_the_same_checkpoint(tiny_dir, tmp_pat
     from quantkit.formats.load import load_dequantized_model
 
     prompt = torch.tensor(PROMPTS[4])
-    for args in (["--bits", "4", "-g", "32"], ["--bits", "4", "-g", "32", "--asym"], ["--bits", "8"], ["--bits", "4", "-g", "-1"]):
+    for args in (["--bits", "4", "-g", "32"], ["--bits", "4", "-g", "32", "--asym"], ["--bits", "8"], ["--bits", "4", "-g", "-1"],
+                 ["--bits", "6"], ["--bits", "5", "-g", "32", "--asym"]):  # 5 and 6 bits straddle words; run as int8
         out = tmp_path / "-".join(args)
         code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(out), "-q", *args)
         assert code == 0, err

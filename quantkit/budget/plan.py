@@ -60,12 +60,14 @@ def parse_budget(text: str) -> Budget:
 
 
 def parse_choice(label: str, symmetric: bool = True) -> Choice:
-    """w4g128 / w4g64 / w4 (per channel) / w8 (per channel) / w8g128 / dense."""
+    """w4g128 / w4g64 / w4 (per channel) / w8 (per channel) / w8g128 / dense; also w5 and w6 with or without a group
+    (smaller than w8 at a fraction of w4's error; vLLM runs them only through its Humming kernels, on CUDA)."""
     if label == "dense":
         return Choice(label, None)
-    m = re.fullmatch(r"w(4|8)(?:g(\d+))?", label)
+    m = re.fullmatch(r"w([4-68])(?:g(\d+))?", label)
     if not m or (m.group(2) and (int(m.group(2)) <= 0 or int(m.group(2)) % 8)):
-        raise QuantkitError(f"unknown choice {label!r}: use w4g<GROUP>, w4, w8, w8g<GROUP> or dense (e.g. w4g128,w8,dense)")
+        raise QuantkitError(f"unknown choice {label!r}: use w4g<GROUP>, w4, w8, w8g<GROUP>, w6g<GROUP>, w5g<GROUP> or dense "
+                            "(e.g. w4g128,w8,dense)")
     return Choice(label, Scheme(bits=int(m.group(1)), group_size=int(m.group(2)) if m.group(2) else None, symmetric=symmetric))
 
 
@@ -118,7 +120,8 @@ def unit_bytes(unit: Unit, choice: Choice, dtype_bytes: int = 2) -> int:
             total += out * inp * dtype_bytes
             continue
         groups = inp // (s.group_size or inp)
-        total += out * inp * s.bits // 8 + out * groups * dtype_bytes + (0 if s.symmetric else out * groups * s.bits // 8)
+        total += (out * -(-inp * s.bits // 32) * 4 + out * groups * dtype_bytes  # values packed densely into int32 rows
+                  + (0 if s.symmetric else -(-out * s.bits // 32) * 4 * groups))
     return total
 
 

@@ -1,8 +1,11 @@
 """The one place that knows bit packing: compressed-tensors `pack-quantized` int32 words.
 
-Signed values are offset to unsigned (+8 at 4 bits, +128 at 8 bits) and packed along one dimension,
-element 0 in the lowest bits of a word: 8 nibbles or 4 bytes per int32. Weights pack along the input
-dim (1); zero points pack along the output dim (0). 4 and 8 bits divide 32, so no value straddles words.
+Signed values are offset to unsigned (+8 at 4 bits, +128 at 8 bits, 2^(bits-1) in general) and packed along one
+dimension as one dense bit stream: element i at bits i*bits .. i*bits + bits - 1, low bits first, so element 0 sits
+in the lowest bits of word 0 (8 nibbles or 4 bytes per int32). Weights pack along the input dim (1); zero points
+pack along the output dim (0). 4 and 8 bits divide 32 and take the fast paths; other widths (5, 6: the budget's
+in-between choices) straddle words, exactly as compressed-tensors' `pack_to_int32` writes them: 32 values in
+`bits` words.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ import sys
 import torch
 from torch import Tensor
 
-SUPPORTED_BITS = (4, 8)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
 
 
 def pack_int32(values: Tensor, bits: int, dim: int = 1) -> Tensor:
     """values int8 [rows, cols] in [-2^(bits-1), 2^(bits-1)) -> int32 packed along `dim`."""
     per_word = _per_word(bits)
     v = values.t() if dim == 0 else values
+    if bits not in (4, 8):
+        return _pack_stream(v, bits).t().contiguous() if dim == 0 else _pack_stream(v, bits)
     rows, cols = v.shape
     pad = -cols % per_word
     if sys.byteorder == "little":  # a word's bytes in element order: write the bytes, read them as words
@@ -43,6 +48,9 @@ def unpack_int32(packed: Tensor, bits: int, length: int, dim: int = 1) -> Tensor
     64-bit words, which is what loading a checkpoint and dequantising at run time spend."""
     per_word = _per_word(bits)
     w = packed.t() if dim == 0 else packed
+    if bits not in (4, 8):
+        v = _unpack_stream(w, bits, length)
+        return v.t().contiguous() if dim == 0 else v
     if sys.byteorder == "little":
         b = w.contiguous().view(-1).view(torch.uint8).view(w.shape[0], -1)  # [rows, words * 4]
         v = b if bits == 8 else torch.stack([b & 15, b >> 4], dim=-1).view(w.shape[0], -1)
@@ -93,11 +101,46 @@ def _nibble_panels(u: Tensor, panel: int) -> Tensor:
     return dword.view(out_features // panel, panel, in_features // 8, 4).transpose(1, 2).reshape(out_features // panel, in_features // 8, 4 * panel)
 
 
+def _pack_stream(v: Tensor, bits: int) -> Tensor:
+    """int8 [rows, cols] -> int32 [rows, ceil(cols * bits / 32)] for a width that does not divide 32: each run of 32
+    values fills `bits` words; value j starts at bit j * bits of the run and spills into the next word when it
+    crosses one (arithmetic on 64-bit words, so the byte order does not matter). Runs lie along the columns of
+    [32, runs] / [bits, runs] tensors so that every step reads and writes contiguous rows."""
+    rows, cols = v.shape
+    u = torch.nn.functional.pad(v.to(torch.int64) + (1 << (bits - 1)), (0, -cols % 32)).reshape(-1, 32).t()  # [32, runs]
+    words = torch.zeros(bits, u.shape[1], dtype=torch.int64, device=v.device)  # [bits, runs]
+    for j in range(32):
+        word, offset = divmod(j * bits, 32)
+        words[word] |= (u[j] << offset) & 0xFFFFFFFF
+        if offset + bits > 32:
+            words[word + 1] |= u[j] >> (32 - offset)
+    words = words.t().reshape(rows, -1)[:, :packed_width(cols, bits)]
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+
+
+def _unpack_stream(w: Tensor, bits: int, length: int) -> Tensor:
+    """The inverse of `_pack_stream`: int32 [rows, words] -> int8 [rows, length]."""
+    rows, n = w.shape
+    u = torch.nn.functional.pad(w.to(torch.int64) & 0xFFFFFFFF, (0, -n % bits)).reshape(-1, bits).t().contiguous()  # [bits, runs]
+    out = torch.empty(32, u.shape[1], dtype=torch.int8, device=w.device)  # [32, runs]
+    mask = (1 << bits) - 1
+    for j in range(32):
+        word, offset = divmod(j * bits, 32)
+        value = u[word] >> offset
+        if offset + bits > 32:
+            value = value | (u[word + 1] << (32 - offset))
+        out[j] = (value & mask) - (1 << (bits - 1))
+    return out.t().reshape(rows, -1)[:, :length].contiguous()
+
+
 def packed_width(length: int, bits: int) -> int:
-    return -(-length // _per_word(bits))
+    """int32 words that `length` values of `bits` take (a dense stream: 6 bits pack 16 values into 3 words)."""
+    _per_word(bits)
+    return -(-length * bits // 32)
 
 
 def _per_word(bits: int) -> int:
+    """Whole values a word holds (the fast paths' unit; a width that does not divide 32 also straddles words)."""
     if bits not in SUPPORTED_BITS:
-        raise ValueError(f"pack-quantized supports {SUPPORTED_BITS} bits here, got {bits}")
+        raise ValueError(f"pack-quantized supports 2 to 8 bits here, got {bits}")
     return 32 // bits

@@ -136,8 +136,11 @@ class Linear(nn.Module):
             self.mode, self.qw = "triton", weight
             self.words = weight.words  # [out, in * bits / 32]
             self.scale_t = weight.scale.to(dtype).contiguous()
-        elif (kernel == "packed" and fused and (weight.bits == 4 or (weight.bits == 8 and (head or dtype == torch.float32)))
+        elif (kernel == "packed" and fused and (weight.bits == 4 or (weight.bits == 8 and (
+                head or dtype == torch.float32 or not cpu.int8_supported(weight.group_size, weight.zero_point is None))))
               and _panels_fit(weight.shape, weight.group_size or in_features, dtype)):
+            # (int8 with groups or zero points, e.g. a budget's w6g64 read as int8, has no PyTorch op: panels, not a
+            # dense bf16 copy at twice the bytes)
             self.mode, self.group = f"int{weight.bits}_panels", weight.group_size or in_features
             four = weight.bits == 4
             self.packed = cache.get(f"{name}.packed", lambda: _int4_panels(weight.words) if four  # [out / 16, in / 8, 64 or 128]

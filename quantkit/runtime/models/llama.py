@@ -24,6 +24,7 @@ from quantkit.formats.load import (
     quant_config_of,
     read_tensors,
     scheme_for,
+    unpacked_module,
 )
 from quantkit.kernels import fused as fused_kernels
 from quantkit.runtime.kv_cache import KVCache
@@ -89,6 +90,8 @@ class Weights:
     def linear(self, module: str) -> Tensor | QuantWeight:
         if module + PACKED in self.tensors:
             scheme = scheme_for(module, self.quant_config)
+            if scheme.bits not in (4, 8):  # 5/6 bits: the same values and scales on the int8 kernels (memory as int8)
+                return QuantWeight.of(*unpacked_module(self.tensors, module, scheme), 8, scheme.group_size)
             words, in_features, scale, zp = packed_module(self.tensors, module, scheme)
             return QuantWeight((words,), in_features, scale, zp, scheme.bits, scheme.group_size)
         return self.tensor(f"{module}.weight")
