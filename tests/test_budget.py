@@ -120,7 +120,7 @@ def test_a_kl_budget_is_met_on_held_out_rows_and_the_mix_loads_in_hf(tiny_dir, t
 def test_a_six_bit_choice_is_written_densely_packed_and_reads_the_same_everywhere(tiny_dir, texts, tmp_path, capsys):
     """--choices with w6g64 under bits=6: 6-bit units in their own config group (num_bits 6), packed as
     compressed-tensors packs them (HF loads them with no missing weights and agrees), the runtime's int8 kernels read
-    the same values, and the report's bytes are the file's."""
+    the same values, the report's bytes are the file's, and inspect counts them as int8 in memory."""
     from transformers import AutoModelForCausalLM
     from test_runtime import prefill_logits
 
@@ -134,10 +134,15 @@ def test_a_six_bit_choice_is_written_densely_packed_and_reads_the_same_everywher
     assert "w6g64" in {u["choice"] for u in report["units"]} and report["average_bits"] <= 6
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert 6 in {g["weights"]["num_bits"] for g in groups.values()}
-    packed = sum(t.numel() * t.element_size() for name, t in load_file(out / "model.safetensors").items()
+    tensors = load_file(out / "model.safetensors")
+    packed = sum(t.numel() * t.element_size() for name, t in tensors.items()
                  if name.endswith(("weight_packed", "weight_scale")) and ".layers." in name)
     assert packed == report["linear_bytes"]
-    assert inspect_checkpoint(out).linear_bits == pytest.approx(report["average_bits"], rel=0.02)
+    shown = inspect_checkpoint(out)
+    assert shown.linear_bits == pytest.approx(report["average_bits"], rel=0.02)
+    six = [m for g in groups.values() if g["weights"]["num_bits"] == 6 for m in g["targets"]]
+    held_as_int8 = sum(int(tensors[f"{m}.weight_shape"].prod()) - tensors[f"{m}.weight_packed"].nbytes for m in six)
+    assert held_as_int8 > 0 and shown.weight_memory_bytes == sum(t.nbytes for t in tensors.values()) + held_as_int8
 
     hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info

@@ -54,7 +54,7 @@ class Inspection:
     quantized_parameters: int
     bytes_on_disk: int
     dense_fp16_bytes: int
-    weight_memory_bytes: int
+    weight_memory_bytes: int  # as quantkit's runtime holds them (5/6-bit values as int8)
     modules: list[ModuleRow] = field(default_factory=list)
     linear_bits: float = 0.0  # average bits per decoder-layer Linear weight, scales and zero points included
     mix: dict[str, int] = field(default_factory=dict)  # storage label -> decoder-layer Linears stored so (a budget's mix)
@@ -87,7 +87,7 @@ def inspect_checkpoint(path: Path) -> Inspection:
     for f in files:
         headers.update(read_header(f))
     shapes = read_tensors(path, [k for k in headers if k.endswith(".weight_shape")])
-    params = qparams = tensor_bytes = linear_params = linear_bytes = 0
+    params = qparams = tensor_bytes = memory_bytes = linear_params = linear_bytes = 0
     rows: dict[tuple[str, str], ModuleRow] = {}
     mix: dict[str, int] = {}
     per_layer: dict[int, dict[str, str]] = {}
@@ -101,8 +101,11 @@ def inspect_checkpoint(path: Path) -> Inspection:
         if key.endswith(PACKED):
             module = key.removesuffix(PACKED)
             shape = [int(x) for x in shapes[f"{module}.weight_shape"]]
-            n, label = math.prod(shape), storage_label(scheme_for(module, qc))
+            scheme = scheme_for(module, qc)
+            n, label = math.prod(shape), storage_label(scheme)
             qparams += n
+            if scheme.bits not in (4, 8):  # the runtime holds 5/6-bit values as int8
+                memory_bytes += n - nbytes
         elif re.search(r"\.weight_(shape|scale|zero_point)$", key) or key.endswith(("k_scale", "v_scale")):
             continue
         else:
@@ -137,7 +140,7 @@ def inspect_checkpoint(path: Path) -> Inspection:
         quantized_parameters=qparams,
         bytes_on_disk=sum(f.stat().st_size for f in files),
         dense_fp16_bytes=params * 2,
-        weight_memory_bytes=tensor_bytes,
+        weight_memory_bytes=tensor_bytes + memory_bytes,
         modules=list(rows.values()),
         linear_bits=8 * linear_bytes / max(linear_params, 1),
         mix=mix,
