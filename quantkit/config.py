@@ -21,8 +21,8 @@ CALIBRATED = ("gptq", "awq")
 KV_STRATEGIES = ("tensor", "head")
 DTYPES = ("bf16", "fp16")
 DEFAULT_GROUP_4BIT = 128  # (also 5 and 6 bits)
-# 4 and 8 run on every engine; 5 and 6 (compressed-tensors packs them densely) load in HF transformers, run on
-# quantkit's int8 kernels (held as int8 in memory) and in vLLM only through its Humming kernels (CUDA)
+# 4 and 8 run on every engine; 5 and 6 (compressed-tensors packs them densely) load in HF transformers, run in
+# quantkit's runtime as int8 values and in vLLM only through its Humming kernels (CUDA)
 WEIGHT_BITS = (4, 5, 6, 8)
 FALLBACK_GROUPS = (64, 32)
 

@@ -180,8 +180,7 @@ def test_panel_gemm_matches_reference_and_is_batch_invariant(isa, bits, group, s
         q = torch.randint(-128, 128, q.shape, generator=gen, dtype=torch.int8)
         zp = None if zp is None else torch.randint(-128, 128, zp.shape, generator=gen, dtype=torch.int8)
         scale = scale / 16
-    # bf16: int8 panels for the head, and for int8 with groups or zero points (no PyTorch op; a budget's w6g64)
-    head = bits == 8 and dtype == torch.bfloat16 and sym and group is None
+    head = bits == 8 and dtype == torch.bfloat16  # bf16: int8 panels for the head only
     lin = Linear(QuantWeight.of(q, scale, zp, bits, group), None, dtype, "packed", fused=True, head=head)
     assert lin.mode == f"int{bits}_panels"
     assert lin.params.shape[0] == (1 if sym else 2)  # symmetric: no zero plane, the kernels' constant instead

@@ -54,7 +54,7 @@ class Inspection:
     quantized_parameters: int
     bytes_on_disk: int
     dense_fp16_bytes: int
-    weight_memory_bytes: int  # as quantkit's runtime holds them (5/6-bit values as int8)
+    weight_memory_bytes: int  # as loaded (5/6-bit values unpacked to int8); kernels may repack (bf16 copies of grouped int8)
     modules: list[ModuleRow] = field(default_factory=list)
     linear_bits: float = 0.0  # average bits per decoder-layer Linear weight, scales and zero points included
     mix: dict[str, int] = field(default_factory=dict)  # storage label -> decoder-layer Linears stored so (a budget's mix)

@@ -90,7 +90,7 @@ class Weights:
     def linear(self, module: str) -> Tensor | QuantWeight:
         if module + PACKED in self.tensors:
             scheme = scheme_for(module, self.quant_config)
-            if scheme.bits not in (4, 8):  # 5/6 bits: the same values and scales on the int8 kernels (memory as int8)
+            if scheme.bits not in (4, 8):  # 5/6 bits: the same values and scales, read as int8 weights
                 return QuantWeight.of(*unpacked_module(self.tensors, module, scheme), 8, scheme.group_size)
             words, in_features, scale, zp = packed_module(self.tensors, module, scheme)
             return QuantWeight((words,), in_features, scale, zp, scheme.bits, scheme.group_size)
