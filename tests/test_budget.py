@@ -74,7 +74,7 @@ def test_budget_and_choice_parsing():
             parse_choice(bad)
 
 
-def test_a_kl_budget_is_met_on_held_out_rows_and_the_mix_loads_in_hf(tiny_dir, texts, tmp_path, capsys):
+def test_a_kl_budget_is_met_on_held_out_rows_and_the_mix_loads_in_hf(tiny_dir, texts, tmp_path, capsys, monkeypatch):
     """The tiny model at kl=0.0005: a mix of several precisions (all-w4 is predicted over it), re-aimed when the
     measurement says so, the smallest mix whose measured mean KL is within the budget written; HF loads the config groups with no missing or
     unexpected weights and agrees with the runtime; inspect shows the mix; eval re-measures it against the budget."""
@@ -83,12 +83,24 @@ def test_a_kl_budget_is_met_on_held_out_rows_and_the_mix_loads_in_hf(tiny_dir, t
 
     from quantkit.runtime.engine import EngineConfig, LLMEngine
 
+    from quantkit.eval.backends import RuntimeBackend
+
+    forwards = {"baseline": 0, "quantized": 0}
+    real = RuntimeBackend.logits
+
+    def counted(self, ids):
+        forwards[self.name] += 1
+        return real(self, ids)
+
+    monkeypatch.setattr(RuntimeBackend, "logits", counted)
     out = tmp_path / "kl"
     code, stdout, err = budgeted(capsys, tiny_dir, out, texts, "--budget", "kl=0.0005")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["met"] and report["measured_kl"] <= 0.0005
     assert len(report["rounds"]) > 1 and report["rounds"][0]["measured_kl"] > 0.0005  # over at first: re-aimed
+    assert forwards["quantized"] == len(report["rounds"]) * forwards["baseline"] > 0  # the baseline's rows: once
+    assert not list(tmp_path.glob(".kl.*"))  # its kept logits, like the rounds' candidates, gone
     met = [r for r in report["rounds"] if r["measured_kl"] <= 0.0005]
     assert report["linear_bytes"] == min(r["bytes"] for r in met)  # the smallest mix that met it is the one written
     chosen = {u["choice"] for u in report["units"]}
