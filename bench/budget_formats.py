@@ -22,14 +22,13 @@ import time
 
 import torch
 
-ENGINE_BITS = (4, 8)  # what every engine runs (vLLM's Marlin/Machete/CPU kernels, quantkit's runtime, HF)
-
-
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from quantkit.arch import arch_of
-    from quantkit.budget.plan import choose, fits, parse_choice, table_units, unit_bytes, units_of, with_table_choices
+    from quantkit import QuantkitError
+    from quantkit.budget.plan import choose, parse_choice, table_units, unit_bytes, units_of, with_table_choices
+    from quantkit.config import KERNEL_BITS
     from quantkit.budget.sensitivity import sensitivities
     from quantkit.calib.data import CalibConfig, build
     from quantkit.models import decoder_layers, load_tokenizer, quiet_transformers, read_config, resolve
@@ -43,8 +42,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    choices = [parse_choice(c.strip()) for c in args.choices.split(",") if c.strip()]
-    limits = [float(x) for x in args.limits.split(",")]
+    try:
+        choices = [parse_choice(c.strip()) for c in args.choices.split(",") if c.strip()]
+        limits = [float(x) for x in args.limits.split(",")]
+    except (QuantkitError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     resolved = resolve(args.model)
     arch = arch_of(read_config(resolved.path), resolved.path)
     tokenizer = load_tokenizer(resolved.path)
@@ -63,13 +65,11 @@ def main() -> None:
     w8, dense = parse_choice("w8"), parse_choice("dense")
     uniform_w8 = fixed + sum(unit_bytes(u, dense if u.table else w8) for u in units)  # uniform W8 keeps tables dense
 
-    def allowed(u, c) -> bool:
-        return fits(c, u) and (not u.table or c.label in ("w8", "dense"))  # a table: int8 rows or dense
-
     results = []
-    for name, pool in (("engine formats (4 and 8 bits)", [c for c in choices if c.scheme is None or c.scheme.bits in ENGINE_BITS]),
+    for name, pool in (("engine formats (4 and 8 bits)", [c for c in choices if c.scheme is None or c.scheme.bits in KERNEL_BITS]),
                        ("every choice", choices)):
-        options = {u.name: {c.label: (unit_bytes(u, c), sens[u.name][c.label]) for c in pool if allowed(u, c)} for u in units}
+        options = {u.name: {c.label: (unit_bytes(u, c), sens[u.name][c.label]) for c in pool if c.label in sens[u.name]}
+                   for u in units}  # (the sensitivities hold the choices that fit each unit: a table's are int8 rows or dense)
         for limit in limits:
             plan = choose(units, options, pool, limit, None)
             counts: dict[str, int] = {}

@@ -24,6 +24,7 @@ DEFAULT_GROUP_4BIT = 128  # (also 5 and 6 bits)
 # 4 and 8 run on every engine; 5 and 6 (compressed-tensors packs them densely) load in HF transformers, run in
 # quantkit's runtime as int8 values and in vLLM only through its Humming kernels (CUDA)
 WEIGHT_BITS = (4, 5, 6, 8)
+KERNEL_BITS = (4, 8)  # read by every engine's kernels as stored; quantkit's runtime unpacks the others to int8
 FALLBACK_GROUPS = (64, 32)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit import QuantkitError
-from quantkit.config import EMBED, HEAD
+from quantkit.config import EMBED, HEAD, KERNEL_BITS
 from quantkit.formats.load import (
     PACKED,
     quant_config_of,
@@ -104,7 +104,7 @@ def inspect_checkpoint(path: Path) -> Inspection:
             scheme = scheme_for(module, qc)
             n, label = math.prod(shape), storage_label(scheme)
             qparams += n
-            if scheme.bits not in (4, 8):  # the runtime holds 5/6-bit values as int8
+            if scheme.bits not in KERNEL_BITS:  # the runtime holds 5/6-bit values as int8
                 memory_bytes += n - nbytes
         elif re.search(r"\.weight_(shape|scale|zero_point)$", key) or key.endswith(("k_scale", "v_scale")):
             continue

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from quantkit import QuantkitError
 from quantkit.arch import ARCHS, SHARED, Arch, arch_of
+from quantkit.config import KERNEL_BITS
 from quantkit.formats.load import (
     PACKED,
     packed_module,
@@ -90,7 +91,7 @@ class Weights:
     def linear(self, module: str) -> Tensor | QuantWeight:
         if module + PACKED in self.tensors:
             scheme = scheme_for(module, self.quant_config)
-            if scheme.bits not in (4, 8):  # 5/6 bits: the same values and scales, read as int8 weights
+            if scheme.bits not in KERNEL_BITS:  # 5/6 bits: the same values and scales, read as int8 weights
                 return QuantWeight.of(*unpacked_module(self.tensors, module, scheme), 8, scheme.group_size)
             words, in_features, scale, zp = packed_module(self.tensors, module, scheme)
             return QuantWeight((words,), in_features, scale, zp, scheme.bits, scheme.group_size)
