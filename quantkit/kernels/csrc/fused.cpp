@@ -117,25 +117,23 @@ inline void accumulate_d(const float* p, const float* values, int64_t stride, in
 }
 #endif
 
-// Scores / accumulation of query heads q0..q1 over a tile with the specialised head sizes; false for other sizes
-// (or no vectors), which take the general loops.
-inline bool tile_scores(int64_t d, const float* qf, const float* tile, int64_t row, int64_t m, int64_t q0, int64_t q1, int64_t group,
+// Every query head's scores over a tile, and one head's accumulation, with the specialised head sizes; false for
+// other sizes (or no vectors), which take the general loops.
+inline bool tile_scores(int64_t d, const float* qf, const float* tile, int64_t row, int64_t m, int64_t hq, int64_t group,
                         float* scores, int64_t n, int64_t t0, float sm_scale, const float* kscale) {
 #ifdef QUANTKIT_VEC
   if (d != 64 && d != 128) return false;
-  for (int64_t h = q0; h < q1; ++h)
+  for (int64_t h = 0; h < hq; ++h)
     (d == 64 ? scores_d<64> : scores_d<128>)(qf + h * d, tile + (h / group) * d, row, m, scores + h * n + t0, sm_scale * kscale[h / group]);
   return true;
 #else
   return false;
 #endif
 }
-inline bool tile_accumulate(int64_t d, const float* scores, const float* tile, int64_t row, int64_t m, int64_t q0, int64_t q1,
-                            int64_t group, int64_t n, int64_t t0, float* acc) {
+inline bool tile_accumulate(int64_t d, const float* p, const float* values, int64_t row, int64_t m, float* acc) {
 #ifdef QUANTKIT_VEC
   if (d != 64 && d != 128) return false;
-  for (int64_t h = q0; h < q1; ++h)
-    (d == 64 ? accumulate_d<64> : accumulate_d<128>)(scores + h * n + t0, tile + (h / group) * d, row, m, acc + h * d);
+  (d == 64 ? accumulate_d<64> : accumulate_d<128>)(p, values, row, m, acc);
   return true;
 #else
   return false;
@@ -309,7 +307,15 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 
 // Store each sequence's new key/value (FP8: x / scale saturated at 448, as reference.quantize_fp8), then attend its
 // single query over its `lengths[s]` keys, reading the paged blocks in place.
-constexpr int64_t kThreadTokens = 256;  // KV-head tokens of attention below which one thread does a task's chunk
+//
+// The keys are taken in chunks of kChunkTokens (flash-decoding): a task is one chunk of one sequence, all its heads,
+// and leaves per query head its scores' max, the sum of their exponentials and the unnormalised sum of values; the
+// chunks are then combined in order. The chunks do not depend on the batch or the thread count, so neither does a
+// sequence's output, and a single stream's attention spreads over every core with contiguous token rows to stream
+// (split by KV heads it was 3 tasks on 2 threads on SmolLM2, each reading 1/3 of every row).
+constexpr int64_t kChunkTokens = 64;
+constexpr int64_t kThreadTokens = 256;  // KV-head tokens below which one thread takes several chunks: waking
+                                        // a thread costs more than a short chunk
 
 template <typename T, typename C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc,
@@ -345,56 +351,70 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* table = tables.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const float sm_scale = 1.f / std::sqrt(static_cast<float>(d));
-  int64_t longest = 1;
-  for (int64_t s = 0; s < s_n; ++s) longest = std::max(longest, len[s]);
   const int64_t row = hk * d;  // one token's keys (or values): contiguous in its block
-  // A task is one sequence and a share of its KV heads (all of them once there are sequences for every thread; one
-  // each for fewer, so that a single stream's attention uses every core): its tokens' rows are read front to
-  // back, which the prefetcher follows from DRAM (the weights streamed since the last step have evicted them).
-  // Threads only for long work: waking one costs more than a short sequence's whole attention.
-  const int64_t parts = s_n < at::get_num_threads() ? hk : 1, per_part = hk / parts;
-  at::parallel_for(0, s_n * parts, std::max<int64_t>(1, kThreadTokens / (longest * per_part)), [&](int64_t b, int64_t e) {
-    // a block's rows of the task's KV heads are contiguous per token: converted to float32 into `tile`; FP8 scales
+  const int64_t chunk = std::max<int64_t>(1, kChunkTokens / block) * block;
+  std::vector<int64_t> first(s_n + 1, 0);  // each sequence's first task
+  for (int64_t s = 0; s < s_n; ++s) first[s + 1] = first[s] + (std::max<int64_t>(len[s], 1) + chunk - 1) / chunk;
+  const int64_t tasks = first[s_n], stride = d + 2;
+  std::vector<float> part(tasks * hq * stride);  // per task and query head: max, sum of exponentials, values [d]
+  at::parallel_for(0, tasks, std::max<int64_t>(1, kThreadTokens / (chunk * hk)), [&](int64_t b, int64_t e) {
+    // a block's rows are contiguous per token: read in place (float32 cache) or converted into `tile`; FP8 scales
     // (per KV head) multiply the scores and the output instead of every element
-    std::vector<float> qf(hq * d), tile(block * row), acc(hq * d), scores;
+    std::vector<float> qf(hq * d), tile(block * row), scores(hq * chunk);
+    int64_t s = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
     for (int64_t task = b; task < e; ++task) {
-      const int64_t s = task / parts, kv0 = task % parts * per_part, q0 = kv0 * group, q1 = q0 + per_part * group;
-      const int64_t n = len[s];
-      auto read_tile = [&](const C* base, int64_t m) {
-        if (parts == 1) return read_row(base, tile.data(), m * row, 1.f);
-        for (int64_t t = 0; t < m; ++t) read_row(base + t * row + kv0 * d, tile.data() + t * row + kv0 * d, per_part * d, 1.f);
+      while (task >= first[s + 1]) ++s;
+      const int64_t t_begin = (task - first[s]) * chunk, n = std::min(len[s] - t_begin, chunk);
+      auto rows = [&](const C* cache, int64_t t0, int64_t m) -> const float* {
+        const C* base = cache + table[s * max_blocks + (t_begin + t0) / block] * block * row;
+        if constexpr (std::is_same_v<C, float>) return base;
+        read_row(base, tile.data(), m * row, 1.f);
+        return tile.data();
       };
-      for (int64_t h = q0; h < q1; ++h)
+      for (int64_t h = 0; h < hq; ++h)
         for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f(qp[s * q.stride(0) + h * q.stride(1) + j]);
-      scores.resize(hq * n);
       for (int64_t t0 = 0; t0 < n; t0 += block) {
         const int64_t m = std::min(n - t0, block);
-        read_tile(kcache + table[s * max_blocks + t0 / block] * block * row, m);
-        if (tile_scores(d, qf.data(), tile.data(), row, m, q0, q1, group, scores.data(), n, t0, sm_scale, kscale)) continue;
+        const float* keys = rows(kcache, t0, m);
+        if (tile_scores(d, qf.data(), keys, row, m, hq, group, scores.data(), chunk, t0, sm_scale, kscale)) continue;
         for (int64_t t = 0; t < m; ++t)
-          for (int64_t h = q0; h < q1; ++h)
-            scores[h * n + t0 + t] = dot(qf.data() + h * d, tile.data() + t * row + (h / group) * d, d) * (sm_scale * kscale[h / group]);
+          for (int64_t h = 0; h < hq; ++h)
+            scores[h * chunk + t0 + t] = dot(qf.data() + h * d, keys + t * row + (h / group) * d, d) * (sm_scale * kscale[h / group]);
       }
-      for (int64_t h = q0; h < q1; ++h) {  // softmax
-        float* sh = scores.data() + h * n;
+      float* mine = part.data() + task * hq * stride;
+      for (int64_t h = 0; h < hq; ++h) {  // the chunk's softmax, unnormalised
+        float* sh = scores.data() + h * chunk;
         float mx = -INFINITY;
         for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
-        const float inv = 1.f / exp_shifted(sh, n, mx);
-#pragma omp simd
-        for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+        mine[h * stride] = mx;
+        mine[h * stride + 1] = exp_shifted(sh, n, mx);
+        std::fill(mine + h * stride + 2, mine + (h + 1) * stride, 0.f);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += block) {
         const int64_t m = std::min(n - t0, block);
-        read_tile(vcache + table[s * max_blocks + t0 / block] * block * row, m);
-        if (tile_accumulate(d, scores.data(), tile.data(), row, m, q0, q1, group, n, t0, acc.data())) continue;
-        for (int64_t t = 0; t < m; ++t)
-          for (int64_t h = q0; h < q1; ++h) axpy(scores[h * n + t0 + t], tile.data() + t * row + (h / group) * d, acc.data() + h * d, d);
+        const float* values = rows(vcache, t0, m);
+        for (int64_t h = 0; h < hq; ++h) {
+          float* acc = mine + h * stride + 2;
+          if (tile_accumulate(d, scores.data() + h * chunk + t0, values + (h / group) * d, row, m, acc)) continue;
+          for (int64_t t = 0; t < m; ++t) axpy(scores[h * chunk + t0 + t], values + t * row + (h / group) * d, acc, d);
+        }
       }
-      for (int64_t h = q0; h < q1; ++h)
-        for (int64_t j = 0; j < d; ++j) op[(s * hq + h) * d + j] = T(acc[h * d + j] * vscale[h / group]);
     }
   });
+  for (int64_t s = 0; s < s_n; ++s)  // the chunks combined in order: sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+    for (int64_t h = 0; h < hq; ++h) {
+      float mx = -INFINITY, total = 0.f;
+      for (int64_t c = first[s]; c < first[s + 1]; ++c) mx = std::max(mx, part[(c * hq + h) * stride]);
+      std::vector<float> acc(d, 0.f);
+      for (int64_t c = first[s]; c < first[s + 1]; ++c) {
+        const float* p = part.data() + (c * hq + h) * stride;
+        const float w = fast_exp(p[0] - mx);
+        total += w * p[1];
+        axpy(w, p + 2, acc.data(), d);
+      }
+      const float norm = vscale[h / group] / total;
+      for (int64_t j = 0; j < d; ++j) op[(s * hq + h) * d + j] = T(acc[j] * norm);
+    }
 }
 
 // q [S, Hq, D] (rows may be strided); k, v [S, Hk, D] new keys/values (or empty: already stored); caches [blocks, block_size, Hk, D];
