@@ -202,6 +202,9 @@ def test_budgets_that_cannot_be_met_and_bad_choices_are_one_line(tiny_dir, texts
 
 
 @pytest.mark.integration
+# On an AVX2-only CPU (Zen 3, float32 runtime, 2 cores) the rounds' held-out measurements took past the 600 s
+# default (2026-12-07); on AVX-512 BF16 machines this test takes a few minutes.
+@pytest.mark.timeout(2400)
 def test_smollm2_kl_budget_is_met_on_held_out_text(smollm2_dir, tmp_path, capsys):
     """The real model at kl=0.05 (RTN): the measured mean KL on the built-in held-out text is within the budget."""
     code, stdout, err = run_cli(capsys, "quantize", str(smollm2_dir), "-o", str(tmp_path / "q"), "--json", "--budget",
