@@ -385,6 +385,9 @@ def serve(
     drain_seconds: int = typer.Option(30, "--drain-seconds", help="On SIGINT/SIGTERM, let in-flight requests finish this long, then abort them."),
     lm_head: str = typer.Option("auto", "--lm-head", help="auto (the checkpoint's weights) or int8 (quantized per row at load: "
                                 "faster decode, slightly different logits)."),
+    activations: str = typer.Option("float", "--activations", help="float, or int8: int4 layers multiply activations quantised "
+                                    "to int8 per group in decode steps (llama.cpp's arithmetic; faster on CPUs without AVX-512 "
+                                    "BF16, slightly different outputs; float32 engines)."),
     speculative: str | None = typer.Option(None, "--speculative", help="Draft tokens checked in each decode step: ngram (prompt lookup)."),
     draft: str | None = typer.Option(None, "--draft", help="Draft tokens from this model (same tokenizer, smaller: e.g. the target's W4)."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="With --speculative: draft tokens per step (1-16)."),
@@ -417,8 +420,8 @@ def serve(
     if engine == "quantkit" and (ctx.args or tensor_parallel_size != 1 or pipeline_parallel_size != 1 or max_model_len):
         raise QuantkitError("arguments after --, --tensor-parallel-size, --pipeline-parallel-size and --max-model-len "
                             "are for --engine vllm")
-    if engine == "vllm" and (kernel != "auto" or lm_head != "auto"):
-        raise QuantkitError("--kernel and --lm-head choose quantkit's kernels; vLLM picks its own")
+    if engine == "vllm" and (kernel != "auto" or lm_head != "auto" or activations != "float"):
+        raise QuantkitError("--kernel, --lm-head and --activations choose quantkit's kernels; vLLM picks its own")
     ui = Reporter()
     path = resolve(model, status=ui.note, bar=ui.bar).path
     name = served_model_name or (model if not Path(model).exists() else Path(model).resolve().name)
@@ -439,7 +442,7 @@ def serve(
         raise typer.Exit(run_vllm(command + vllm_args(launch), launch, ui.note))
     engine_cfg = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, kernel=kernel,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, lm_head=lm_head,
-                              speculative=_speculative(speculative, draft, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch))
+                              activations=activations, speculative=_speculative(speculative, draft, num_speculative_tokens, ngram_min, ngram_max, speculative_max_batch))
     _port_free(host, port)
     run(path, engine_cfg, ServerConfig(name, api_key, max_waiting), host, port, drain_seconds, announce=ui.note)
 
@@ -485,6 +488,7 @@ def bench(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto, fp8, bf16, fp16, fp32."),
     kernel: str = typer.Option("auto", "--kernel", help="auto (triton on CUDA, packed on CPU), packed, dense, reference or triton."),
     lm_head: str = typer.Option("auto", "--lm-head", help="Offline: auto (the checkpoint's) or int8 (quantized per row at load)."),
+    activations: str = typer.Option("float", "--activations", help="Offline: float, or int8 (int4 layers take int8-quantised activations in decode steps)."),
     repeats: int = typer.Option(3, "--repeats", help="Offline: runs per system and batch size; the table shows the median run."),
     speculative: str | None = typer.Option(None, "--speculative", help="Offline: draft tokens checked in each decode step: ngram (prompt lookup)."),
     draft: str | None = typer.Option(None, "--draft", help="Offline: draft tokens from this model (same tokenizer, smaller)."),
@@ -551,7 +555,8 @@ def bench(
     for b in sizes:
         w = Workload(b, input_len, output_len)
         engine = LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kernel=kernel, max_num_seqs=b,
-                                              max_num_batched_tokens=max(2048, input_len), lm_head=lm_head, speculative=spec))
+                                              max_num_batched_tokens=max(2048, input_len), lm_head=lm_head,
+                                              activations=activations, speculative=spec))
         if input_len + output_len > engine.max_len:
             raise QuantkitError(f"--input-len {input_len} plus --output-len {output_len} exceed the {engine.max_len} tokens "
                                 "a sequence may reach here (the model's context, or the KV cache)")

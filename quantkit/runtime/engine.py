@@ -26,7 +26,7 @@ from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.json_mode import JsonPrefix, choose
 from quantkit.runtime.kv_cache import CacheSpec, KVCache, Ring
 from quantkit.runtime.layers.attention import Batch, Decodes, SeqSlice
-from quantkit.runtime.layers.linear import AMX_PANEL_MAX_ROWS, KERNELS, panel_max_rows
+from quantkit.runtime.layers.linear import AMX_PANEL_MAX_ROWS, F32_PANEL_MAX_ROWS, KERNELS, panel_max_rows
 from quantkit.runtime.models.llama import LlamaModel
 from quantkit.runtime.sampler import Sample, SamplingParams, sample_rows, scored
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
@@ -49,6 +49,8 @@ class EngineConfig:
     kernel: str = "auto"  # auto (triton on CUDA, packed on CPU) | packed | dense | reference | triton
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     lm_head: str = "auto"  # auto (the checkpoint's weights) | int8 (quantized per row at load: faster, changes logits)
+    activations: str = "float"  # float | int8: int4 layers multiply int8-quantised activations (per group) in decode-sized
+    # batches, as llama.cpp does: faster on CPUs without AVX-512 BF16, changes outputs (float32 activations only)
     fused: bool = True  # CPU kernels: the fused C++ decode ops (kernels/fused.py), when a compiler can build them here
     speculative: SpeculativeConfig | None = None  # draft tokens checked in the decode step (runtime/speculative.py)
 
@@ -86,10 +88,15 @@ class LLMEngine:
         self.dtype = _compute_dtype(cfg.dtype, hf, cfg.device)
         if cfg.lm_head not in ("auto", "int8"):
             raise QuantkitError(f"lm_head {cfg.lm_head}: use auto or int8")
+        if cfg.activations not in ("float", "int8"):
+            raise QuantkitError(f"activations {cfg.activations}: use float or int8")
+        if cfg.activations == "int8" and self.dtype != torch.float32:
+            raise QuantkitError(f"int8 activations take float32 ones, and this engine computes in {str(self.dtype).removeprefix('torch.')} "
+                                "(add --dtype fp32)")
         t0 = time.perf_counter()  # the tokenizer first: a checkpoint without one fails before its weights load
         self.tokenizer = tokenizer if tokenizer is not None else serving_tokenizer(self.path)
         tokenizer_s = time.perf_counter() - t0
-        self.model = LlamaModel.load(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused)
+        self.model = LlamaModel.load(self.path, self.dtype, cfg.kernel, cfg.device, cfg.lm_head, cfg.fused, cfg.activations)
         m = self.model.cfg
         t0 = time.perf_counter()
         self.eos = _eos_ids(self.path, self.tokenizer)
@@ -174,6 +181,7 @@ class LLMEngine:
                 + f"); kernels: {self.cfg.kernel}"
                 f"{' + ' + fused_kernels.describe() if self.model.fused else ''} on {self.cfg.device}, "
                 f"{str(self.dtype).removeprefix('torch.')} activations{_dtype_reason(self.cfg, self.dtype)}"
+                + (f", int8 into {self.model.int8_layers} int4 layers at up to {F32_PANEL_MAX_ROWS} rows" if self.cfg.activations == "int8" else "")
                 + (f"; above {AMX_PANEL_MAX_ROWS} rows, AMX GEMMs on weights dequantised to bf16"
                    if self.model.fused and panel_max_rows(self.dtype) == AMX_PANEL_MAX_ROWS else "")
                 + (f"; speculative: {spec.num_tokens} draft tokens from "

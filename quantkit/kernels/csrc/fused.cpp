@@ -11,6 +11,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "panel_gemm.h"
+#include "panel_q8.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -552,6 +553,34 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return panel_gemm_impl(x, w, params, group, false);
 }
 
+// x [M, K] float32 against int4 panels with int8 activations (panel_q8.h): x quantised per weight group, then
+// integer products. `portable`: the plain loops whatever the build (the same bits).
+at::Tensor panel_gemm_q8_impl(const at::Tensor& x_, const at::Tensor& w, const at::Tensor& params, int64_t group, bool portable) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "panel_gemm_q8: x must be 2-D float32");
+  const at::Tensor x = x_.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.dim() == 3 && w.size(1) * 8 == k &&
+                  w.size(2) == 4 * panel::kPanel && group % 8 == 0 && k % group == 0,
+              "panel_gemm_q8: int4 panels [N/16, K/8, 64] matching x");
+  const float* zero = panel_zero_plane(params, w.size(0), groups, "panel_gemm_q8");
+  at::Tensor y = at::empty({m, w.size(0) * panel::kPanel}, x.options());
+  std::vector<int8_t> x8(m * k);
+  std::vector<float> dx(m * groups), xsum(m * groups);
+  panel::q8::quantize(x.data_ptr<float>(), m, k, group, x8.data(), dx.data(), xsum.data());
+  panel::q8::run({x8.data(), dx.data(), xsum.data(), w.data_ptr<uint8_t>(), params.data_ptr<float>(), zero, y.data_ptr<float>(), m, k,
+                  y.size(1), groups, group, panel::symmetric_zero(4)},
+                 portable);
+  return y;
+}
+
+at::Tensor panel_gemm_q8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params, int64_t group) {
+  return panel_gemm_q8_impl(x, w, params, group, false);
+}
+
+at::Tensor panel_gemm_q8_scalar(const at::Tensor& x, const at::Tensor& w, const at::Tensor& params, int64_t group) {
+  return panel_gemm_q8_impl(x, w, params, group, true);
+}
+
 // Checkpoint words int32 [N, K/8] (compressed-tensors 4-bit: inputs 8L..8L+7 at nibbles 0..7) -> the int4 panel
 // layout uint8 [N/16, K/8, 64] (panel_gemm.h) in one pass: formats/pack.py's int4_panels_from_words (the reference,
 // tested equal), whose tensor ops take ten passes over the weights at load.
@@ -623,7 +652,7 @@ at::Tensor panel_gemm_scalar(const at::Tensor& x, const at::Tensor& w, const at:
 // A linear layer as the runtime holds it: PyTorch's packed int4 or int8 op, or a dense weight; optional bias.
 struct Linear {
   // 0 PyTorch's int4 (w packed, s scales_zeros, group), 1 int8 (w int8, s scale per row), 2 dense (w [out, in]),
-  // 3 panel_gemm (w int4 or bf16 panels, s params, group)
+  // 3 panel_gemm (w int4 or bf16 panels, s params, group), 4 panel_gemm_q8 (w int4 panels, int8 activations)
   int64_t mode;
   at::Tensor w, s;
   int64_t group;
@@ -633,6 +662,7 @@ struct Linear {
     at::Tensor y = mode == 0   ? at::_weight_int4pack_mm_for_cpu(x, w, group, s)
                    : mode == 1 ? at::_weight_int8pack_mm(x, w, s)
                    : mode == 3 ? panel_gemm(x, w, s, group)
+                   : mode == 4 ? panel_gemm_q8(x, w, s, group)
                                : at::mm(x, w.t());
     return bias ? y.add_(*bias) : y;
   }
@@ -694,6 +724,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_dtypes", &panel_dtypes);
   m.def("panel_gemm", &panel_gemm);
   m.def("panel_gemm_scalar", &panel_gemm_scalar);
+  m.def("panel_gemm_q8", &panel_gemm_q8);
+  m.def("panel_gemm_q8_scalar", &panel_gemm_q8_scalar);
   m.def("panel_dequant_t", &panel_dequant_t, py::arg("w"), py::arg("params"), py::arg("group"), py::arg("out") = py::none());
   m.def("panel_pack_int4", &panel_pack_int4);
   py::class_<Linear>(m, "Linear").def(py::init<int64_t, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>());

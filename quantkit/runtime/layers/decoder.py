@@ -53,7 +53,7 @@ def _spec(ops, lin: Linear):
     if lin.mode == "int4":
         return ops.Linear(0, lin.packed, lin.scales_zeros, lin.group, lin.bias)
     if lin.mode in ("int4_panels", "int8_panels"):
-        return ops.Linear(3, lin.packed, lin.params, lin.group, lin.bias)
+        return ops.Linear(4 if lin.int8_activations else 3, lin.packed, lin.params, lin.group, lin.bias)
     if lin.mode == "int8":
         return ops.Linear(1, lin.q8, lin.scale8, 0, lin.bias)
     return ops.Linear(2, lin.weight, lin.weight, 0, lin.bias)

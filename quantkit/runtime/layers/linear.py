@@ -107,17 +107,19 @@ class Linear(nn.Module):
     """y = x W^T (+ b). Holds the weight in the layout its kernel reads."""
 
     def __init__(self, weight: Tensor | QuantWeight, bias: Tensor | None, dtype: torch.dtype, kernel: str = "packed",
-                 fused: bool = False, head: bool = False, cache: PanelCache | None = None, name: str = ""):
+                 fused: bool = False, head: bool = False, cache: PanelCache | None = None, name: str = "",
+                 int8_activations: bool = False):
         """`head`: the lm_head, whose rows are few (prefill computes only the last positions' logits), so a dense bf16
         or int8 weight goes into the panel GEMM's layout too (fused CPU ops on AVX-512 BF16): 1.75x PyTorch's int8 op
         at one row. Not for other layers: on prefill-sized inputs oneDNN on a dense copy wins (int8 panels at 2,048
         rows of a 1.5B gate/up: 633 ms against 326 dequantised per call). `cache` and `name`: panels kept from an
-        earlier start of this checkpoint (layers/panel_cache.py)."""
+        earlier start of this checkpoint (layers/panel_cache.py). `int8_activations`: int4 panels with float32
+        activations multiply them quantised to int8 per group at up to F32_PANEL_MAX_ROWS rows (panel_q8.h)."""
         super().__init__()
         cache = cache or PanelCache(None)
         self.dtype, self.head = dtype, head
         self.bias = None if bias is None else bias.to(dtype)
-        self.mode = "dense"
+        self.mode, self.int8_activations = "dense", False
         if (isinstance(weight, Tensor) and head and fused and bfloat16 in (dtype, weight.dtype)
                 and _panels_fit(weight.shape, weight.shape[1], dtype)):
             # (float32 activations read the bf16 weight exactly; a float32 checkpoint's head would be rounded: not here)
@@ -148,6 +150,7 @@ class Linear(nn.Module):
                 # the kernels sum x * (bias + u) per group: longer groups (per-channel scales) split into groups of
                 # KERNEL_GROUP with the scale repeated, so the sums stay short and the cancellation small
                 self.group = KERNEL_GROUP
+            self.int8_activations = int8_activations and four and dtype == torch.float32
         elif (kernel == "packed" and weight.bits == 4 and dtype != torch.float32
               and cpu.int4_supported(out_features, in_features, weight.group_size)):
             # (float32 engines dequantise once instead: PyTorch's int4 op with float32 activations costs 30x its
@@ -169,6 +172,8 @@ class Linear(nn.Module):
             shape = (x.shape[1], self.packed.shape[0] * 16)  # [in, out]
             wt = torch.empty(shape, dtype=x.dtype) if self.head else _scratch(*shape, x.dtype)
             y = x @ fused_kernels.ops().panel_dequant_t(self.packed, self.params, self.group, out=wt)
+        elif self.int8_activations:
+            y = fused_kernels.ops().panel_gemm_q8(x, self.packed, self.params, self.group)
         elif self.mode in ("int4_panels", "int8_panels"):
             y = fused_kernels.ops().panel_gemm(x, self.packed, self.params, self.group)
         elif self.mode == "bf16_panels":

@@ -118,14 +118,15 @@ def _checked(w: Weights, modules: list[str], shape: tuple[int, int]) -> Tensor |
 
 class DecoderLayer(nn.Module):
     def __init__(self, w: Weights, i: int, cfg: ModelConfig, arch: Arch, dtype: torch.dtype, kernel: str, fused: bool,
-                 cache: PanelCache):
+                 cache: PanelCache, activations: str = "float"):
         super().__init__()
         p = f"model.layers.{i}"
         self.index, self.cfg, self.kernel, self.fused = i, cfg, kernel, fused
         self.kind, self.window = cfg.kinds[i], cfg.windows[i]
         h, d, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         linear = lambda names, shape, tag, bias=None: Linear(_checked(w, [f"{p}.{n}" for n in names], shape), bias, dtype,
-                                                              kernel, fused, cache=cache, name=f"{p}.{tag}")
+                                                              kernel, fused, cache=cache, name=f"{p}.{tag}",
+                                                              int8_activations=activations == "int8")
         biases = [w.get(f"{p}.{m}.bias") for m in arch.qkv]
         self.qkv = linear(arch.qkv, ((heads + 2 * kv) * d, h), "qkv", torch.cat(biases) if all(b is not None for b in biases) else None)
         self.o = linear(["self_attn.o_proj"], (h, heads * d), "o", w.get(f"{p}.self_attn.o_proj.bias"))
@@ -181,7 +182,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, path: Path, dtype: torch.dtype, kernel: str = "packed", device: str = "cpu", lm_head: str = "auto",
-                 fused: bool = True):
+                 fused: bool = True, activations: str = "float"):
         super().__init__()
         hf = json.loads((path / "config.json").read_text())
         arch = arch_of(hf, path)
@@ -207,7 +208,9 @@ class LlamaModel(nn.Module):
             self.embed = QuantRows(embed, dtype)
         else:  # float32 compute keeps a 16-bit embedding as stored (rows widen exactly on lookup): not a second, 2x copy
             self.embed = embed if dtype == torch.float32 and embed.element_size() == 2 else embed.to(dtype)
-        self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, arch, dtype, kernel, self.fused, cache) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(w, i, cfg, arch, dtype, kernel, self.fused, cache, activations)
+                                    for i in range(cfg.num_layers))
+        self.int8_layers = sum(isinstance(m, Linear) and m.int8_activations for m in self.layers.modules())
         self.norm = RMSNorm(w.tensor("model.norm.weight"), cfg.rms_norm_eps, dtype, self.fused, arch.norm_offset)
         # (HF multiplies the looked-up rows by sqrt(hidden) rounded to the compute dtype)
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device) if arch.embed_scale else None
@@ -238,11 +241,11 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype, kernel: str = "packed", device: str = "cpu", lm_head: str = "auto",
-             fused: bool = True) -> LlamaModel:
+             fused: bool = True, activations: str = "float") -> LlamaModel:
         """The model, laid out for the fused kernels while they build; again, when the build failed (said once:
         then for the PyTorch ops) or took other activation dtypes than predicted (then for what it takes)."""
-        model = cls(path, dtype, kernel, device, lm_head, fused)
-        return model if model.built else cls(path, dtype, kernel, device, lm_head, fused and fused_kernels.ops() is not None)
+        model = cls(path, dtype, kernel, device, lm_head, fused, activations)
+        return model if model.built else cls(path, dtype, kernel, device, lm_head, fused and fused_kernels.ops() is not None, activations)
 
     def _kv_scales(self, w: Weights) -> list[tuple[Tensor, Tensor]] | None:
         names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(self.cfg.num_layers)]
