@@ -206,6 +206,59 @@ def test_panel_gemm_matches_reference_and_is_batch_invariant(isa, bits, group, s
         assert ((portable.double() - want).abs() <= rel * want.abs() + floor).all()
 
 
+@pytest.mark.parametrize("group, sym", [(32, True), (128, False), (None, True)])
+def test_int8_activation_gemm_is_its_integer_arithmetic_on_every_build(isa, group, sym):
+    """`int8_activations`: each row quantised per kernel group (max |x| / 127, round half to even), integer products,
+    then scale * dx in float32. Against that arithmetic in float64, on every row count up to F32_PANEL_MAX_ROWS;
+    the vector and portable loops give the same bits (integer sums); a row's result does not depend on its batch;
+    above the threshold the float32 path runs; and the result really differs from float32 activations'."""
+    from quantkit.quant.qparams import dequantize
+    from quantkit.runtime.layers.linear import F32_PANEL_MAX_ROWS, Linear, QuantWeight
+
+    m = fused_ops(isa)
+    gen, q, scale, zp = random_int4(80, 1536, group, sym, seed=9)
+    weight = QuantWeight.of(q, scale, zp, 4, group)
+    lin = Linear(weight, None, torch.float32, "packed", fused=True, int8_activations=True)
+    plain = Linear(weight, None, torch.float32, "packed", fused=True)
+    assert lin.int8_activations and not plain.int8_activations
+    x = torch.randn(F32_PANEL_MAX_ROWS + 4, 1536, generator=gen)
+    x[3, :64] = 0.0  # an all-zero group
+    g = lin.group
+    xg = x.double().view(len(x), -1, g)
+    dx = (xg.abs().amax(-1, keepdim=True).float() / 127).double()
+    x8 = torch.round(xg / torch.where(dx > 0, dx, 1.0))  # torch.round: half to even, as nearbyint
+    want = (x8 * dx).view(len(x), -1) @ dequantize(q, scale, zp).double().T
+    small = x[:F32_PANEL_MAX_ROWS]
+    got = lin(small)
+    assert ((got.double() - want[:F32_PANEL_MAX_ROWS]).abs() <= 1e-6 * want.abs().max()).all()
+    for rows in (1, 2, 3, 4, 5, 7, 13):
+        assert torch.equal(lin(small[:rows]), got[:rows])
+        assert torch.equal(lin(small[rows : rows + 1]), got[rows : rows + 1])
+    assert torch.equal(m.panel_gemm_q8_scalar(small, lin.packed, lin.params, lin.group), got)
+    assert torch.equal(lin(x), plain(x))  # above the threshold: float32 activations
+    assert (got - plain(small)).abs().max() > 1e-4 * want.abs().max()
+
+
+def test_int8_activations_decode_batch_invariant_and_refuse_what_they_cannot_run(isa, smollm2_w4):
+    """SmolLM2 W4 with int8 activations: greedy tokens of three prompts decoded together equal each decoded alone
+    (the C++ decode loop and the Python layers call the same kernel); describe() says so; a bfloat16 engine and an
+    unknown choice are one-line errors."""
+    from quantkit import QuantkitError
+    from quantkit.runtime import LLM, SamplingParams
+
+    llm = LLM(str(smollm2_w4), dtype="fp32", activations="int8")
+    assert "int8 into 120 int4 layers" in llm.engine.describe()
+    assert llm.engine.model.decoder is not None
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
+    with pytest.raises(QuantkitError, match="int8 activations take float32"):
+        LLM(str(smollm2_w4), dtype="bf16", activations="int8")
+    with pytest.raises(QuantkitError, match="use float or int8"):
+        LLM(str(smollm2_w4), activations="int4")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bf16_panel_gemm_lm_head_matches_and_serves_embedding_rows(isa, dtype):
     """A dense bf16 weight in panels (the lm_head): the product equals float64's up to float32 sums (and bf16
