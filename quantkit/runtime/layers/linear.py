@@ -26,6 +26,7 @@ KERNELS = ("packed", "dense", "reference", "triton")
 TRITON_DENSE_ROWS = 64  # above this many rows a per-call dequantised weight and cuBLAS beat the INT GEMM
 PACKED_MAX_ROWS = 32  # CPU: PyTorch's int4 kernel costs grow with rows; above this, dequantise per call and use a dense GEMM
 INT8_PACKED_MAX_ROWS = 128  # likewise for its int8 op: parity at ~128 rows, 3.9x slower than dequantise + GEMM at 2048
+Q8_GROUP = 64  # int8 activations: inputs per activation scale at most (longer weight groups split, scales repeated)
 KERNEL_GROUP = 128  # the longest group the panel GEMM sums in one accumulator (see Linear)
 F32_PANEL_MAX_ROWS = 32  # float32 panels: above this, the weight dequantised from its panels and oneDNN's sgemm
 # bf16 panels on a CPU with AMX: above this, the weight dequantised to bf16 and oneDNN's AMX GEMM (one 1.5B layer at
@@ -151,6 +152,11 @@ class Linear(nn.Module):
                 # KERNEL_GROUP with the scale repeated, so the sums stay short and the cancellation small
                 self.group = KERNEL_GROUP
             self.int8_activations = int8_activations and four and dtype == torch.float32
+            if self.int8_activations and self.group > Q8_GROUP:  # one activation scale per Q8_GROUP inputs or fewer:
+                # the weight's scales repeated (a group is a multiple of 8, so some power of two divides it)
+                part = next(p for p in (Q8_GROUP, 32, 16, 8) if self.group % p == 0)
+                self.params = self.params.repeat_interleave(self.group // part, dim=2)
+                self.group = part
         elif (kernel == "packed" and weight.bits == 4 and dtype != torch.float32
               and cpu.int4_supported(out_features, in_features, weight.group_size)):
             # (float32 engines dequantise once instead: PyTorch's int4 op with float32 activations costs 30x its
