@@ -1,10 +1,10 @@
 // int4 panels against int8 activations: the decode GEMM of `activations="int8"` (llama.cpp's arithmetic for its
 // 4-bit weights, which multiply 8-bit quantised activations). Float32 activations cost a float conversion per
 // weight (panel_f32.h: ~6 weights a cycle a core on AVX2, below the memory's rate for one row); here a line of a
-// panel (8 channels x 8 inputs in 32 bytes) is two masks, one shift and two vpmaddubsw, so one row runs at the
-// memory's rate.
+// panel (8 channels x 8 inputs in 32 bytes) is two masks, one shift and two vpmaddubsw (30 SmolLM2 layers at one
+// row on a Zen 3: 6.6 -> 4.0 ms; four 1.5B layers 11.4 -> 5.3 ms, 18 GB/s).
 //
-// Each row's inputs are quantised per weight group: dx = max|x| / 127, x8 = round-half-even(x / dx) in [-127, 127].
+// Each row's inputs are quantised per group (the weight's, at most Linear's Q8_GROUP): dx = max|x| / 127, x8 = round-half-even(x / dx) in [-127, 127].
 // A group's products u * x8 (u = q + 8 in [0, 15]) sum exactly in int32; then
 //   y += (scale * dx) * (sum(u * x8) - (8 + zp) * sum(x8))
 // in float32, the bracket exact (integers below 2^24). Integer sums do not depend on their order, so the vector
@@ -12,7 +12,7 @@
 //
 // Layout (panel_gemm.h): dword c of a line holds channel c's inputs 0, 2, 4, 6 in bytes 0-1 (low, high nibble),
 // 1, 3, 5, 7 in bytes 2-3. Masking the low nibbles gives bytes (in0, in4, in1, in5), the high ones (in2, in6, in3,
-// in7): the activations are stored in that order per line (`order`), so one broadcast dword meets each.
+// in7): the activations are stored in that order per line (kOrder), so one broadcast dword meets each.
 
 #pragma once
 
