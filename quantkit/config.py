@@ -49,9 +49,10 @@ class Scheme:
         return (1 << (self.bits - 1)) - 1
 
 
-EMBEDDINGS = ("dense", "w8", "head", "auto")
+EMBEDDINGS = ("dense", "w8", "w8g32", "head", "auto")
 EMBED, HEAD = "model.embed_tokens", "lm_head"  # the vocabulary tables, as the checkpoint names them
-TABLE_SCHEME = Scheme(bits=8, group_size=None, symmetric=True)  # a quantized vocabulary table: int8, one scale per row
+TABLE_SCHEMES = {"w8": Scheme(bits=8, group_size=None, symmetric=True),  # a quantized vocabulary table: int8, one scale
+                 "w8g32": Scheme(bits=8, group_size=32, symmetric=True)}  # per row, or one per 32 values of a row
 
 
 @dataclass(slots=True)
@@ -72,7 +73,8 @@ class Recipe:
     damp: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added before inverting
     block_size: int = 128  # GPTQ: columns updated together
     true_sequential: bool = True  # GPTQ: each sublayer's Hessian from the quantized sublayers before it
-    embeddings: str = "dense"  # the vocabulary tables: "dense", "w8" (both int8 per row), "head" (an untied head only), "auto" (a budget decides)
+    embeddings: str = "dense"  # the vocabulary tables: "dense", "w8" (both int8 per row), "w8g32" (both int8, a scale per
+    # 32 values), "head" (an untied head only, int8 per row), "auto" (a budget decides)
 
     def scheme(self) -> Scheme | None:
         """The weight scheme, or None when weights stay dense (method none)."""

@@ -29,26 +29,30 @@ def _close(got, want):
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("which", ["tiny_dir", "tiny_gemma_dir"])
-def test_w8_tables_are_int8_rows_the_runtime_reads(request, which, tmp_path, capsys):
+@pytest.mark.parametrize("which,fmt", [("tiny_dir", "w8"), ("tiny_gemma_dir", "w8"), ("tiny_dir", "w8g32"),
+                                       ("tiny_gemma_dir", "w8g32")])
+def test_w8_tables_are_int8_rows_the_runtime_reads(request, which, fmt, tmp_path, capsys):
     """Untied Llama (embedding and head each int8) and tied Gemma 3 (one int8 table, looked up and scaled by
-    sqrt(hidden), and read again as the head): the runtime's logits are HF's on the dequantized weights."""
+    sqrt(hidden), and read again as the head), per row (w8) or a scale per 32 values (w8g32): the runtime's logits
+    are HF's on the dequantized weights."""
     src = request.getfixturevalue(which)
     out = tmp_path / "q"
     code, _, err = run_cli(capsys, "quantize", str(src), "-o", str(out), "--bits", "4", "--group-size", "32",
-                           "--embeddings", "w8", "-q")
+                           "--embeddings", fmt, "-q")
     assert code == 0, err
     tied = json.loads((src / "config.json").read_text()).get("tie_word_embeddings", False)
     tables = ["model.embed_tokens"] + ([] if tied else ["lm_head"])
     tensors = load_file(out / "model.safetensors")
+    groups = 1 if fmt == "w8" else tensors["model.embed_tokens.weight_packed"].shape[1] * 4 // 32  # (4 int8 values a word)
     for t in tables:
-        assert tensors[f"{t}.weight_packed"].dtype == torch.int32 and tensors[f"{t}.weight_scale"].shape[1] == 1
+        assert tensors[f"{t}.weight_packed"].dtype == torch.int32 and tensors[f"{t}.weight_scale"].shape[1] == groups
         assert f"{t}.weight" not in tensors
     assert "lm_head.weight" not in tensors
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     table_group = next(g for g in qc["config_groups"].values() if g["targets"] != ["Linear"])
     assert sorted(table_group["targets"]) == sorted(tables)
-    assert (table_group["weights"]["num_bits"], table_group["weights"]["strategy"]) == (8, "channel")
+    weights = table_group["weights"]
+    assert (weights["num_bits"], weights["strategy"], weights["group_size"]) == ((8, "channel", None) if fmt == "w8" else (8, "group", 32))
     assert "lm_head" not in qc["ignore"] or tied
     assert scheme_for("model.embed_tokens", qc).bits == 8 and scheme_for("model.layers.0.mlp.up_proj", qc).bits == 4
 
@@ -88,27 +92,33 @@ def test_embeddings_head_quantizes_the_untied_head_alone_and_loads_in_hf(tiny_di
 
 
 def test_a_budget_decides_the_tables(tiny_dir, texts, tmp_path, capsys):  # noqa: F811
-    """`--embeddings auto`: each table is a unit with dense and int8 rows, its sensitivity measured like a Linear's;
-    what the budget chose is what the checkpoint holds."""
-    out = tmp_path / "auto"
-    code, stdout, err = budgeted(capsys, tiny_dir, out, texts, "--budget", "bits=6", "--embeddings", "auto")
-    assert code == 0, err
-    report = json.loads(stdout)
-    tables = {u["name"]: u for u in report["units"] if not u["name"].startswith("model.layers.")}
-    assert set(tables) == {"model.embed_tokens", "lm_head"}
-    for u in tables.values():
-        assert set(u["sensitivity"]) == {"w8", "dense"} and u["sensitivity"]["w8"] > 0
-    tensors = load_file(out / "model.safetensors")
-    for name, u in tables.items():
-        assert (f"{name}.weight_packed" in tensors) == (u["choice"] == "w8")
-    assert report["average_bits"] <= 6
+    """`--embeddings auto`: each table is a unit with dense, int8 rows and int8 per 32 values, its sensitivity
+    measured like a Linear's (groups err less); what the budget chose is what the checkpoint holds. `--embeddings
+    w8g32` with a budget keeps the tables in that format."""
+    for fmt, bits in (("auto", "6"), ("auto", "7"), ("w8g32", "6")):
+        out = tmp_path / f"{fmt}-{bits}"
+        code, stdout, err = budgeted(capsys, tiny_dir, out, texts, "--budget", f"bits={bits}", "--embeddings", fmt)
+        assert code == 0, err
+        report = json.loads(stdout)
+        tables = {u["name"]: u for u in report["units"] if not u["name"].startswith("model.layers.")}
+        assert set(tables) == {"model.embed_tokens", "lm_head"}
+        tensors = load_file(out / "model.safetensors")
+        for name, u in tables.items():
+            kl = u["sensitivity"]
+            assert set(kl) == {"w8", "w8g32", "dense"} and 0 < kl["w8g32"] < kl["w8"]
+            assert fmt == "auto" or u["choice"] == fmt
+            assert (f"{name}.weight_packed" in tensors) == (u["choice"] != "dense")
+            if u["choice"] != "dense":
+                hidden = tensors[f"{name}.weight_packed"].shape[1] * 4  # (4 int8 values a word)
+                assert tensors[f"{name}.weight_scale"].shape[1] == (1 if u["choice"] == "w8" else hidden // 32)
+        assert report["average_bits"] <= float(bits)
 
 
 def test_embeddings_flag_errors_are_one_line(tiny_dir, tmp_path, capsys):
     code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "auto")
     assert_one_line_error(code, err, "--embeddings auto needs --budget")
     code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "w4")
-    assert_one_line_error(code, err, "--embeddings must be one of dense, w8, head, auto")
+    assert_one_line_error(code, err, "--embeddings must be one of dense, w8, w8g32, head, auto")
     code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "w8", "--method", "bnb-int8")
     assert_one_line_error(code, err, "bitsandbytes' own layout")
     code, _, err = run_cli(capsys, "quantize", str(tiny_dir), "-o", str(tmp_path / "x"), "--embeddings", "head", "--budget", "bits=6")

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from quantkit import QuantkitError
 from quantkit.arch import LLAMA, SHARED, Arch
-from quantkit.config import DEFAULT_GROUP_4BIT, EMBED, FALLBACK_GROUPS, HEAD, TABLE_SCHEME, Recipe, Scheme
+from quantkit.config import DEFAULT_GROUP_4BIT, EMBED, FALLBACK_GROUPS, HEAD, TABLE_SCHEMES, Recipe, Scheme
 
 
 @dataclass(slots=True)
@@ -77,7 +77,7 @@ def routers(layers: nn.ModuleList, prefix: str, arch: Arch) -> list[str]:
 
 
 def vocab_tables(config: dict, recipe: Recipe, mix: dict[str, Scheme] | None = None) -> dict[str, Scheme]:
-    """The vocabulary tables to quantize (int8 per row, round-to-nearest: at 8 bits GPTQ would gain little), by
+    """The vocabulary tables to quantize (int8 per row or per 32 values, round-to-nearest: at 8 bits GPTQ would gain little), by
     module name: the embedding, and the head when it is not tied to it (a tied head reads the embedding's int8 rows).
     A budget's mix names them itself; otherwise `recipe.embeddings` (w8: both; head: an untied head alone, the one
     table HF transformers and vLLM read as int8 too, and a large share of a decode step's reads; dense: none)."""
@@ -87,8 +87,9 @@ def vocab_tables(config: dict, recipe: Recipe, mix: dict[str, Scheme] | None = N
     if recipe.embeddings == "head" and tied:
         raise QuantkitError("--embeddings head quantizes an untied lm_head; this model's head is its embedding (tied): "
                             "use --embeddings w8, or `--lm-head int8` when serving")
-    names = {"w8": [EMBED] + ([] if tied else [HEAD]), "head": [HEAD]}.get(recipe.embeddings, [])
-    return dict.fromkeys(names, TABLE_SCHEME)
+    both = [EMBED] + ([] if tied else [HEAD])
+    names = {"w8": both, "w8g32": both, "head": [HEAD]}.get(recipe.embeddings, [])
+    return dict.fromkeys(names, TABLE_SCHEMES.get(recipe.embeddings, TABLE_SCHEMES["w8"]))
 
 
 def resolve_group_size(recipe: Recipe, targets: list[Target]) -> str | None:
