@@ -15,6 +15,7 @@ from test_cli import assert_one_line_error
 
 from quantkit import QuantkitError
 from quantkit.budget.plan import Choice, Unit, _lower_hull, choose, parse_budget, parse_choice
+from quantkit.budget.run import Round, next_target
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,23 @@ def test_the_greedy_mix_is_within_one_unit_of_the_optimum():
 def test_the_hull_keeps_the_efficient_points():
     points = [(10, 1.0, "a"), (12, 1.2, "dominated"), (20, 0.9, "above the line"), (30, 0.2, "c"), (60, 0.0, "d")]
     assert [p[2] for p in _lower_hull(points)] == ["a", "c", "d"]
+
+
+def test_rounds_interpolate_between_one_that_met_the_budget_and_one_over_it():
+    """The ratio alone went back and forth on SmolLM2 (the rounds below, measured with GPTQ at kl=0.00415): once a
+    round met the budget and another went over, the next aims between them, where the line through them crosses it."""
+    def rnd(predicted, measured):
+        return Round(predicted, measured, 0, None, {})
+
+    first = [rnd(0.00415, 0.00289)]  # met, well under: looser by the ratio
+    assert next_target(0.00415, first) == pytest.approx(0.00415 * 0.00415 / 0.00289)
+    both = first + [rnd(0.00593, 0.00520)]  # over: the crossing lies between the two
+    target = next_target(0.00415, both)
+    assert 0.00415 < target < 0.00593 and target == pytest.approx(0.00415 + (0.00415 - 0.00289) * 0.00178 / 0.00231)
+    nearer = both + [rnd(0.00500, 0.00380)]  # met again, nearer: the bracket narrows to it
+    assert 0.00500 < next_target(0.00415, nearer) < 0.00593
+    crossed = [rnd(0.006, 0.003), rnd(0.005, 0.006)]  # a met round predicted above an over one: the ratio again
+    assert next_target(0.00415, crossed) == pytest.approx(0.00415 * 0.005 / 0.006)
 
 
 def test_budget_and_choice_parsing():
