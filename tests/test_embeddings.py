@@ -126,6 +126,16 @@ def test_embeddings_flag_errors_are_one_line(tiny_dir, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_grouped_tables_need_groups_that_divide_the_rows():
+    from quantkit import QuantkitError
+    from quantkit.config import Recipe
+    from quantkit.quant.apply import vocab_tables
+
+    assert vocab_tables({"hidden_size": 64}, Recipe(embeddings="w8g32"))["model.embed_tokens"].group_size == 32
+    with pytest.raises(QuantkitError, match="hidden size divisible by 32; this model's is 48"):
+        vocab_tables({"hidden_size": 48}, Recipe(embeddings="w8g32"))
+
+
 def test_embeddings_head_refuses_a_tied_head(tiny_gemma_dir, tmp_path, capsys):
     code, _, err = run_cli(capsys, "quantize", str(tiny_gemma_dir), "-o", str(tmp_path / "x"), "--embeddings", "head")
     assert_one_line_error(code, err, "this model's head is its embedding (tied)")

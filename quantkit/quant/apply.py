@@ -89,7 +89,11 @@ def vocab_tables(config: dict, recipe: Recipe, mix: dict[str, Scheme] | None = N
                             "use --embeddings w8, or `--lm-head int8` when serving")
     both = [EMBED] + ([] if tied else [HEAD])
     names = {"w8": both, "w8g32": both, "head": [HEAD]}.get(recipe.embeddings, [])
-    return dict.fromkeys(names, TABLE_SCHEMES.get(recipe.embeddings, TABLE_SCHEMES["w8"]))
+    scheme = TABLE_SCHEMES.get(recipe.embeddings, TABLE_SCHEMES["w8"])
+    if names and scheme.group_size and int(config.get("hidden_size") or 0) % scheme.group_size:
+        raise QuantkitError(f"--embeddings {recipe.embeddings} needs a hidden size divisible by {scheme.group_size}; this "
+                            f"model's is {config.get('hidden_size')}: use --embeddings w8 (one scale per row)")
+    return dict.fromkeys(names, scheme)
 
 
 def resolve_group_size(recipe: Recipe, targets: list[Target]) -> str | None:
