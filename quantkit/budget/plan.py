@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from quantkit import QuantkitError
 from quantkit.arch import Arch
-from quantkit.config import DEFAULT_GROUP_4BIT, EMBED, FALLBACK_GROUPS, HEAD, Scheme
+from quantkit.config import DEFAULT_GROUP_4BIT, EMBED, FALLBACK_GROUPS, HEAD, TABLE_SCHEMES, Scheme
 from quantkit.formats.save import parse_size
 
 BUDGET_KINDS = ("kl", "bits", "size")
@@ -93,15 +93,12 @@ def fits(choice: Choice, unit: Unit) -> bool:
     return divides and not choice.tables_only
 
 
-TABLE_CHOICES = ("w8", "w8g32", "dense")
-
-
 def with_table_choices(choices: list[Choice], symmetric: bool = True) -> list[Choice]:
     """The user's choices plus, where missing, what a vocabulary table may take: dense, int8 per row, and int8 with
     a scale per 32 values of a row. On SmolLM2 (its tied table is 42% of the weights) int8 rows alone cost 0.0014 nats,
     half of what every Linear at W8 costs, and groups of 32 0.0001 for 6% more bytes (bench/vocab_table_formats.py)."""
     have = {c.label for c in choices}
-    extra = [Choice(c.label, c.scheme, tables_only=True) for c in (parse_choice(x, symmetric) for x in TABLE_CHOICES)
+    extra = [Choice(c.label, c.scheme, tables_only=True) for c in (parse_choice(x, symmetric) for x in (*TABLE_SCHEMES, "dense"))
              if c.label not in have]
     return [*choices, *extra]
 

@@ -87,9 +87,9 @@ def vocab_tables(config: dict, recipe: Recipe, mix: dict[str, Scheme] | None = N
     if recipe.embeddings == "head" and tied:
         raise QuantkitError("--embeddings head quantizes an untied lm_head; this model's head is its embedding (tied): "
                             "use --embeddings w8, or `--lm-head int8` when serving")
-    both = [EMBED] + ([] if tied else [HEAD])
-    names = {"w8": both, "w8g32": both, "head": [HEAD]}.get(recipe.embeddings, [])
-    scheme = TABLE_SCHEMES.get(recipe.embeddings, TABLE_SCHEMES["w8"])
+    names = ([EMBED] + ([] if tied else [HEAD]) if recipe.embeddings in TABLE_SCHEMES
+             else [HEAD] if recipe.embeddings == "head" else [])
+    scheme = TABLE_SCHEMES.get(recipe.embeddings, TABLE_SCHEMES["w8"])  # (head: int8 rows)
     if names and scheme.group_size and int(config.get("hidden_size") or 0) % scheme.group_size:
         raise QuantkitError(f"--embeddings {recipe.embeddings} needs a hidden size divisible by {scheme.group_size}; this "
                             f"model's is {config.get('hidden_size')}: use --embeddings w8 (one scale per row)")

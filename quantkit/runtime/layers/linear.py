@@ -76,10 +76,10 @@ class QuantWeight:
 
 
 class QuantRows(nn.Module):
-    """An int8 embedding table, one scale per row or per group of a row: rows are dequantized as they are looked up, as compressed-tensors
-    dequantizes them (q * scale in float32, rounded once to the compute dtype). Only the looked-up rows are unpacked
-    from the checkpoint's words (mapped from the file): an int8 copy of the table would sit in memory beside the tied
-    head's panels (233 MB on a 1.5B model's 151,936 x 1,536)."""
+    """An int8 embedding table, one scale per row or per group of a row: rows are dequantized as they are looked up,
+    as compressed-tensors dequantizes them (q * scale in float32, rounded once to the compute dtype). Only the
+    looked-up rows are unpacked from the checkpoint's words (mapped from the file): an int8 copy of the table would
+    sit in memory beside the tied head's panels (233 MB on a 1.5B model's 151,936 x 1,536)."""
 
     def __init__(self, weight: QuantWeight, dtype: torch.dtype):
         super().__init__()
