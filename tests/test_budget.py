@@ -258,3 +258,55 @@ def test_sensitivities_are_the_same_with_the_weight_errors_made_per_row(tiny_dir
     monkeypatch.setattr(sensitivity, "KEEP_ERRORS_BYTES", 0)
     remade = sensitivity.sensitivities(model, units, choices, rows, torch.bfloat16)
     assert kept == remade and all(v["w4g128"] > v["w8"] > v["dense"] == 0 for v in kept.values())
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_the_head_is_scored_with_the_exact_logit_fisher(cap):
+    """½ Σ [Σ p δ² − (Σ p δ)²] is the KL of a small change at the head, through a final soft cap too; a change that
+    moves every logit of a position together costs nothing (the sampled Fisher diagonal would score it)."""
+    from quantkit.budget.sensitivity import _accumulate_head
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, 16, generator=gen), torch.randn(50, 16, generator=gen)
+    dw = 1e-2 * torch.randn(50, 16, generator=gen)
+
+    def logits(weight):  # [pos, vocab]
+        z = x @ weight.t()
+        return z if cap is None else cap * (z / cap).tanh()
+
+    acc = {"q": torch.zeros((), dtype=torch.float64), "shift": torch.zeros((), dtype=torch.float64)}
+    shift = dw[:1].expand(50, 16)  # every row's error the same: δ the same for each word of a position
+    _accumulate_head(acc, x, logits(w), {"q": dw, "shift": shift}, cap, rows=7)
+    base, moved = logits(w).log_softmax(-1), logits(w + dw).log_softmax(-1)
+    kl = (base.exp() * (base - moved)).sum().item()
+    assert 0.5 * acc["q"].item() == pytest.approx(kl, rel=0.05)
+    if cap is None:
+        assert abs(acc["shift"].item()) < 1e-6 * acc["q"].item()
+
+
+@pytest.mark.integration
+def test_smollm2_tied_table_kl_is_predicted_within_a_third(smollm2_dir):
+    """The tied table at int8 per row and per 32 values: predicted as measured in HF (float32, the same rows). The
+    sampled Fisher diagonal at the head put the grouped table at 10x its measured KL (2026-12-07)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.budget.plan import parse_choice, table_units
+    from quantkit.budget.sensitivity import sensitivities
+    from quantkit.calib.data import CalibConfig, build
+    from quantkit.models import load_tokenizer
+    from quantkit.quant.rtn import rtn
+
+    rows = build(CalibConfig(), load_tokenizer(smollm2_dir)).ids[:4, :256]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    choices = [parse_choice(x) for x in ("w8", "w8g32")]
+    predicted = sensitivities(model, table_units(model), choices, rows, torch.bfloat16)["model.embed_tokens"]
+    table = model.get_input_embeddings().weight
+    dense = table.detach().clone()
+    with torch.no_grad():
+        base = model(rows).logits.float().log_softmax(-1)
+        for c in choices:
+            table.copy_(rtn(dense, c.scheme, torch.bfloat16).dequantize(torch.float32))
+            moved = model(rows).logits.float().log_softmax(-1)
+            measured = (base.exp() * (base - moved)).sum(-1).mean().item()
+            assert 0.75 < measured / predicted[c.label] < 1.33, (c.label, predicted[c.label], measured)
+            table.copy_(dense)

@@ -1,14 +1,17 @@
 """How much mean KL each unit adds at each precision, predicted from one forward and one backward pass per batch.
 
-For a small change δ in the logits, KL(p || p + δ) ≈ ½ δᵀ F δ, with F the Fisher information of the model's own
-output distribution. Pulled back to a Linear's output y, F is E[g gᵀ] for g = ∂(−log p(t)) / ∂y with the token t
-drawn from the model itself; quantizing the Linear changes y by Δy = x (Q(W) − W)ᵀ. So the KL a unit adds is
-predicted as ½ Σ g² Δy² over its Linears' outputs and the tokens (F's diagonal, one drawn token per position), divided
-by the tokens. A vocabulary table (`--embeddings auto`) is scored the same way at the embedding's output, Δy the
-looked-up rows' error, plus, when the head is tied to it, at the logits. The stated approximations: F's diagonal
-only; units add (the KL of a mix is the sum of its units'); Q is round-to-nearest (GPTQ and AWQ lose less, so a mix
-quantized with them comes in under its prediction). Measured: RTN mixes come in at ~1.45x their prediction, an int8
-embedding alone at 2.4x (SmolLM2); the rounds of a KL budget correct for both.
+For a small change δ in the logits, KL(p || p + δ) ≈ ½ δᵀ F δ, with F = diag(p) − p pᵀ the Fisher information of
+the model's own output distribution. At the head the logits are the head's output, so its KL is that form exactly:
+½ Σ_pos [Σ p δ² − (Σ p δ)²] with δ = x (Q(W) − W)ᵀ. Deeper in, F is pulled back to a Linear's output y as E[g gᵀ]
+for g = ∂(−log p(t)) / ∂y with the token t drawn from the model itself, and the KL a unit adds is predicted as
+½ Σ g² Δy² over its Linears' outputs and the tokens (F's diagonal, one drawn token per position), divided by the
+tokens. A vocabulary table (`--embeddings auto`) is scored the same way at the embedding's output, Δy the
+looked-up rows' error, plus, when the head is tied to it, at the logits. Why the head is not scored by the diagonal
+too: its Δ moves every logit of a position together, which the softmax ignores, and the diagonal does not see that
+(the − (Σ p δ)² term): a per-32 int8 tied table on SmolLM2 was predicted at 0.00090 nats where it measures 0.0001.
+The stated approximations: F's diagonal below the head; units add (the KL of a mix is the sum of its units');
+Q is round-to-nearest (GPTQ and AWQ lose less, so a mix quantized with them comes in under its prediction).
+The rounds of a KL budget correct for what remains.
 
 Cost: per calibration row one forward and one backward of the dense model (about three forwards) plus, per
 choice, one GEMM per Linear (a forward's worth); the model is held whole, in float32 (a 1.5B model: 6 GB, and
@@ -52,6 +55,25 @@ def _accumulate(acc: dict[str, Tensor], x: Tensor, g: Tensor, errors: dict[str, 
         acc[label] += (g2 * dy.pow(2)).sum().double()
 
 
+@torch.no_grad()
+def _accumulate_head(acc: dict[str, Tensor], x: Tensor, logits: Tensor, errors: dict[str, Tensor], cap: float | None,
+                     rows: int = 256) -> None:
+    """acc[choice] += Σ_pos [Σ p δ² − (Σ p δ)²], the exact logit Fisher: δ = x ΔWᵀ [pos, vocab] at the head's output
+    (through the final soft cap's slope where the family has one), p the softmax of the final logits. In `rows`
+    positions at a time: a [pos, vocab] float32 per choice is large (a 151,936-word vocabulary: 0.6 MB a position)."""
+    x, logits = x.reshape(-1, x.shape[-1]), logits.reshape(-1, logits.shape[-1])
+    for lo in range(0, x.shape[0], rows):
+        z = logits[lo:lo + rows].float()  # [pos, vocab]
+        p = z.softmax(-1)
+        slope = None if cap is None else 1 - (z / cap).pow(2)  # z = cap tanh(head / cap): its slope is 1 − tanh²
+        for label, dw in errors.items():
+            d = (x[lo:lo + rows].to(dw.dtype) @ dw.t()).float()  # [pos, vocab]
+            if slope is not None:
+                d *= slope
+            pd = p * d
+            acc[label] += ((pd * d).sum() - pd.sum(-1).pow(2).sum()).double()
+
+
 def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], rows: Tensor, scale_dtype: torch.dtype,
                   batch: int = 1, seed: int = 0, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """{unit name: {choice label: predicted mean KL (nats / token)}} over `rows` [n, seq] of calibration token ids.
@@ -73,6 +95,8 @@ def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], ro
             if isinstance(module, nn.Embedding):
                 out.requires_grad_()
             saved[key] = args[0].detach()
+            if key == HEAD:
+                return  # scored from the final logits, after the forward
             scale = getattr(module, "embed_scale", None)
             out.register_hook(lambda g: _accumulate(acc[name], saved.pop(key), g, error_of(name), scale))
         return hook
@@ -81,6 +105,8 @@ def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], ro
     hooked = [(m, mod, m) for m, mod in modules.items()]
     if EMBED in modules and head is not None and head.weight is embed.weight:
         hooked.append((HEAD, head, EMBED))  # the tied head quantizes with the table
+    head_error = next((m for key, _, m in hooked if key == HEAD), None)
+    cap = getattr(model.config, "final_logit_softcapping", None)
     handles = [mod.register_forward_hook(keep(key, m)) for key, mod, m in hooked]
     handles.append(embed.register_forward_hook(lambda module, args, out: out.requires_grad_()))
     gen = torch.Generator().manual_seed(seed)
@@ -88,6 +114,8 @@ def sensitivities(model: nn.Module, units: list[Unit], choices: list[Choice], ro
     try:
         for chunk in rows.split(batch):
             logits = model(input_ids=chunk, use_cache=False).logits.float()  # [b, seq, vocab]
+            if head_error is not None:
+                _accumulate_head(acc[head_error], saved.pop(HEAD), logits.detach(), error_of(head_error), cap)
             with torch.no_grad():  # a token from the model's own distribution at each position (Gumbel-max)
                 u = torch.rand(logits.shape, generator=gen).clamp_(min=1e-12)
                 drawn = (logits.detach() - u.log_().neg_().log_()).argmax(-1)
