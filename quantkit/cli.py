@@ -191,8 +191,8 @@ def inspect(
                      + (", ".join(targets) if len(targets) <= 3 else f"{len(targets)} modules named in config.json"))
     if not info.config_groups:
         head.add_row("quantization", "none (dense)")
-    head.add_row("ignored (dense)", (", ".join(info.ignore[:6]) + (f" and {len(info.ignore) - 6} more" if len(info.ignore) > 6 else ""))
-                 or "-")
+    dense = info.kept_dense
+    head.add_row("ignored (dense)", (", ".join(dense[:6]) + (f" and {len(dense) - 6} more" if len(dense) > 6 else "")) or "-")
     if info.mix:
         head.add_row("decoder Linears", ", ".join(f"{n} {label}" for label, n in sorted(info.mix.items()))
                      + f"; {info.linear_bits:.2f} bits a weight on average" + (f" ({info.method})" if info.method else ""))

@@ -64,8 +64,10 @@ def test_w8_tables_are_int8_rows_the_runtime_reads(request, which, fmt, tmp_path
             _close(got, want)
         else:  # the int8 head on the panel GEMM: same greedy token, logits to the kernel's rounding
             assert got.argmax() == want.argmax() and (got - want).abs().max() < 1e-2 * want.abs().max()
-    code, stdout, _ = run_cli(capsys, "inspect", str(out), "--json")
+    code, stdout, _ = run_cli(capsys, "inspect", str(out))
     assert code == 0
+    ignored = next(line for line in stdout.splitlines() if "ignored (dense)" in line)
+    assert "lm_head" not in ignored  # a tied head is the int8 table, not dense
 
 
 def test_embeddings_head_quantizes_the_untied_head_alone_and_loads_in_hf(tiny_dir, tmp_path, capsys):

@@ -66,6 +66,13 @@ class Inspection:
     def ratio(self) -> float:
         return self.dense_fp16_bytes / max(self.bytes_on_disk, 1)
 
+    @property
+    def kept_dense(self) -> list[str]:
+        """The config's `ignore` less a tied head whose table is quantized: it is ignored as a Linear and read as
+        the embedding's int8 rows."""
+        quantized = self.tables.get(HEAD) == "tied" and self.tables.get(EMBED, "").startswith("int")
+        return [m for m in self.ignore if not (quantized and m == HEAD)]
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["compression_vs_fp16"] = round(self.ratio, 3)
