@@ -197,6 +197,22 @@ def test_bits_and_size_budgets_are_kept(tiny_dir, texts, tmp_path, capsys, budge
     assert len(report["rounds"]) == 1  # only a KL budget re-rounds
 
 
+def test_the_sensitivity_pass_is_kept_for_a_budget_that_reads_the_same_rows(tiny_dir, texts, tmp_path, capsys, monkeypatch):
+    """The pass reads the first calibration rows only: a budget with more --calib-samples (for GPTQ) reads the same
+    rows and reuses it; rows of another length are another pass."""
+    from quantkit.budget import run
+
+    passes = []
+    real = run.sensitivities
+    monkeypatch.setattr(run, "sensitivities", lambda *a, **k: passes.append(1) or real(*a, **k))
+    counts = []
+    for n, extra in enumerate((["--calib-samples", "16"], ["--calib-samples", "24"], ["--calib-samples", "16", "--calib-seqlen", "48"])):
+        code, _, err = budgeted(capsys, tiny_dir, tmp_path / f"b{n}", texts, "--budget", "bits=6", *extra)
+        assert code == 0, err
+        counts.append(len(passes))
+    assert counts[1] == counts[0] and counts[2] == counts[1] + 1
+
+
 def test_budgets_that_cannot_be_met_and_bad_choices_are_one_line(tiny_dir, texts, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

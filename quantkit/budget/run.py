@@ -100,7 +100,7 @@ def run_budgeted(spec: str, out: Path, recipe: Recipe, budget: Budget, choices_t
     timings["load"] = round(time.perf_counter() - start, 2)
 
     start = time.perf_counter()
-    cached = _sensitivity_file(resolved.path, choices, calib, recipe)
+    cached = _sensitivity_file(resolved.path, choices, calib_rows, recipe)
     try:
         sens = json.loads(cached.read_text())
         ui.note(f"sensitivities from an earlier run ({cached})")
@@ -236,18 +236,20 @@ def _no_panel_cache() -> Iterator[None]:
             os.environ["QUANTKIT_PANEL_CACHE"] = old
 
 
-def _sensitivity_file(path: Path, choices: list[Choice], calib: CalibConfig, recipe: Recipe) -> Path:
-    """Where the sensitivities of this model, choice list and calibration are kept: another budget on the same model
-    reuses them (the pass is most of a budget's time on a large model)."""
+def _sensitivity_file(path: Path, choices: list[Choice], rows: torch.Tensor, recipe: Recipe) -> Path:
+    """Where the sensitivities of this model, choice list and sensitivity rows are kept: another budget on the same
+    model reuses them (the pass is most of a budget's time on a large model). Keyed on the rows' tokens, not on the
+    calibration options: a GPTQ budget with fewer --calib-samples reads the same first rows, so the same pass."""
     import hashlib
 
     from quantkit.models import cache_dir, weight_files
 
     files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in weight_files(path)]
     code = (Path(__file__).parent / "sensitivity.py").read_bytes()
-    key = hashlib.sha256(json.dumps([str(path.resolve()), files, [c.label for c in choices], recipe.symmetric, recipe.dtype, recipe.embeddings != "dense",
-                                     [calib.source, calib.samples, calib.seqlen, calib.seed, calib.split, calib.column,
-                                      calib.chat_template], SENSITIVITY_ROWS, hashlib.sha256(code).hexdigest()]).encode())
+    key = hashlib.sha256(json.dumps([str(path.resolve()), files, [c.label for c in choices], recipe.symmetric, recipe.dtype,
+                                     recipe.embeddings != "dense", list(rows.shape),
+                                     hashlib.sha256(rows.numpy().tobytes()).hexdigest(),
+                                     hashlib.sha256(code).hexdigest()]).encode())
     return cache_dir() / "sensitivity" / f"{key.hexdigest()[:24]}.json"
 
 
