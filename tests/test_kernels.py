@@ -56,6 +56,30 @@ def test_int8_linear_agrees_across_the_prefill_threshold(dtype):
     assert torch.allclose(big, small, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_gemms_run_in_float32_where_the_cpu_would_emulate_them(native, monkeypatch):
+    """Without native bf16 dot products (forced either way, so every machine checks both paths), more than
+    EMULATED_BF16_MAX_ROWS bf16 rows of a dense or int8 layer multiply in float32 and round once, which agrees with
+    the emulated bf16 GEMM up to the order of its sums; fewer rows, or a CPU with native bf16, keep the bf16 GEMM."""
+    from quantkit.kernels import fused as fused_kernels
+    from quantkit.runtime.layers.linear import EMULATED_BF16_MAX_ROWS, INT8_PACKED_MAX_ROWS, Linear, QuantWeight
+
+    monkeypatch.setattr(fused_kernels, "native_bf16", lambda: native)
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(80, 96, generator=gen) * 0.05).bfloat16()
+    q = torch.randint(-127, 128, (80, 96), generator=gen, dtype=torch.int8)
+    scale = torch.rand(80, 1, generator=gen) * 0.01
+    dense, int8 = Linear(w, None, torch.bfloat16), Linear(QuantWeight.of(q, scale, None, 8, None), None, torch.bfloat16)
+    assert (dense.mode, int8.mode) == ("dense", "int8")
+    x = torch.randn(INT8_PACKED_MAX_ROWS + 8, 96, generator=gen).bfloat16()
+    for layer, weight in ((dense, w), (int8, cpu.dequant_int8(q, scale[:, 0].bfloat16()))):
+        float32, emulated = (x.float() @ weight.float().T).bfloat16(), x @ weight.T
+        assert torch.equal(layer(x), emulated if native else float32)
+        assert torch.allclose(float32.float(), emulated.float(), rtol=1e-2, atol=1e-2 * emulated.abs().max().item())
+    few = x[:EMULATED_BF16_MAX_ROWS]
+    assert torch.equal(dense(few), few @ w.T)
+
+
 def test_attention_kernels_match_reference():
     gen = torch.Generator().manual_seed(2)
     heads, kv_heads, d = 6, 2, 16

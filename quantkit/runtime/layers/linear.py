@@ -33,7 +33,11 @@ F32_PANEL_MAX_ROWS = 32  # float32 panels: above this, the weight dequantised fr
 # 512 rows: 714 ms on the panels, 103 in the AMX GEMM, plus the dequantisation). Without AMX the panels stay (the
 # dense path is unmeasured there).
 AMX_PANEL_MAX_ROWS = 64
-EXACT_SLICE_ROWS = 8192  # Linear.exact: rows of a dense bf16 weight cast to float32 at a time (50 MB at 1,536 wide)
+EXACT_SLICE_ROWS = 8192  # rows of a dense bf16 weight cast to float32 at a time (50 MB at 1,536 wide)
+# bf16 activations on a CPU without native bf16 dot products (AVX2): above this many rows a dense GEMM runs in float32
+# on slices of the weight and is rounded back (a 1.5B gate/up at 512 rows, Zen 3: 1,562 ms emulated, 358 in float32;
+# parity at 64 rows, the cast's cost dominating below)
+EMULATED_BF16_MAX_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -185,11 +189,11 @@ class Linear(nn.Module):
         elif self.mode == "bf16_panels":
             y = fused_kernels.ops().panel_gemm(x, self.panels, self.params, x.shape[1])
         elif self.mode == "int4" and x.shape[0] > PACKED_MAX_ROWS:
-            y = x @ cpu.dequant_int4(self.words, self.scale_t, self.zero_point, x.shape[1], x.dtype).T
+            y = _dense_product(x, cpu.dequant_int4(self.words, self.scale_t, self.zero_point, x.shape[1], x.dtype))
         elif self.mode == "int4":
             y = cpu.int4_linear(x, self.packed, self.scales_zeros, self.group)
         elif self.mode == "int8" and x.shape[0] > INT8_PACKED_MAX_ROWS:
-            y = x @ cpu.dequant_int8(self.q8, self.scale8).T
+            y = _dense_product(x, cpu.dequant_int8(self.q8, self.scale8))
         elif self.mode == "int8":
             y = cpu.int8_linear(x, self.q8, self.scale8)
         elif self.mode == "triton" and x.shape[0] > TRITON_DENSE_ROWS:
@@ -201,7 +205,7 @@ class Linear(nn.Module):
         elif self.mode == "reference":
             y = reference.dequant_linear(x, self.qw.q, self.qw.scale, self.qw.zero_point)
         else:
-            y = x @ self.weight.T
+            y = _dense_product(x, self.weight)
         return y if self.bias is None else y + self.bias
 
     def exact(self, x: Tensor) -> Tensor:  # x [t, in] -> float32 [t, out]
@@ -214,8 +218,7 @@ class Linear(nn.Module):
             return self(x.float()).float()
         if self.mode != "dense":
             return self(x).float()  # (the int4/int8 PyTorch ops, Triton and the reference: their own rounding)
-        x, step = x.float(), EXACT_SLICE_ROWS
-        y = torch.cat([x @ self.weight[i : i + step].float().T for i in range(0, self.weight.shape[0], step)], dim=1)
+        y = _float32_product(x, self.weight)
         return y if self.bias is None else y + self.bias.float()
 
     def rows(self, ids: Tensor) -> Tensor:
@@ -223,6 +226,22 @@ class Linear(nn.Module):
         if self.mode == "bf16_panels":
             return self.panels[ids // 16, :, ids % 16, :].reshape(len(ids), -1).to(self.dtype)
         return self.weight[ids]
+
+
+def _dense_product(x: Tensor, w: Tensor) -> Tensor:  # x [t, in], w [out, in] -> [t, out] in x's dtype
+    """x W^T. Where bf16 GEMMs are emulated (a CPU without AVX512_BF16 or AMX: `quantkit eval`'s bf16 default there)
+    and the rows are many, the product in float32 rounded to bf16: what the emulation computes (it too sums in
+    float32; the two differ in ~0.02% of outputs by one rounding step), at 4.4x its speed on a prefill."""
+    if (x.dtype == bfloat16 and x.shape[0] > EMULATED_BF16_MAX_ROWS and x.device.type == "cpu"
+            and not fused_kernels.native_bf16()):
+        return _float32_product(x, w).to(bfloat16)
+    return x @ w.T
+
+
+def _float32_product(x: Tensor, w: Tensor) -> Tensor:  # x [t, in], w [out, in] -> float32 [t, out]
+    """x W^T summed in float32, the weight cast a slice of rows at a time: a 152k-row head never has a float32 copy."""
+    x, step = x.float(), EXACT_SLICE_ROWS
+    return torch.cat([x @ w[i : i + step].float().T for i in range(0, w.shape[0], step)], dim=1)
 
 
 def panel_max_rows(dtype: torch.dtype) -> int:
