@@ -53,4 +53,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from quantkit import QuantkitError
+
+    try:
+        main()
+    except QuantkitError as e:  # an unknown model or too little held-out text: one line
+        raise SystemExit(f"error: {e}") from None
