@@ -15,7 +15,7 @@ from test_cli import assert_one_line_error
 
 from quantkit import QuantkitError
 from quantkit.budget.plan import Choice, Unit, _lower_hull, choose, parse_budget, parse_choice
-from quantkit.budget.run import Round, next_target
+from quantkit.budget.run import MARGIN, Round, next_target
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,11 @@ def test_rounds_interpolate_between_one_that_met_the_budget_and_one_over_it():
     assert 0.00415 < target < 0.00593 and target == pytest.approx(0.00415 + (0.00415 - 0.00289) * 0.00178 / 0.00231)
     nearer = both + [rnd(0.00500, 0.00380)]  # met again, nearer: the bracket narrows to it
     assert 0.00500 < next_target(0.00415, nearer) < 0.00593
-    crossed = [rnd(0.006, 0.003), rnd(0.005, 0.006)]  # a met round predicted above an over one: the ratio again
-    assert next_target(0.00415, crossed) == pytest.approx(0.00415 * 0.005 / 0.006)
+    crossed = [rnd(0.006, 0.003), rnd(0.005, 0.006)]  # a met round predicted above an over one: the ratio again,
+    assert next_target(0.00415, crossed) == pytest.approx(MARGIN * 0.00415 * 0.005 / 0.006)  # with a margin: it was over
+    just_over = [rnd(0.00165, 0.00178)]  # the 1.5B's GPTQ round 3 at kl=0.00177: aimed by the ratio alone, ~0.00177 again
+    target = next_target(0.00177, just_over)
+    assert target < 0.00177 * 0.00165 / 0.00178 and target * 0.00178 / 0.00165 <= 0.00177 * MARGIN + 1e-12
 
 
 def test_budget_and_choice_parsing():
