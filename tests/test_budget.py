@@ -216,6 +216,30 @@ def test_the_sensitivity_pass_is_kept_for_a_budget_that_reads_the_same_rows(tiny
     assert counts[1] == counts[0] and counts[2] == counts[1] + 1
 
 
+def test_a_terminated_budget_leaves_no_candidates_and_no_kept_logits(tiny_dir, texts, tmp_path, capsys, monkeypatch):
+    """SIGTERM (a scheduler, `kill`) in a round's measurement: one line, exit 143, and nothing left beside OUT. The
+    default action left a 1.5B budget's candidate mix and 5 GB of kept baseline logits behind."""
+    import os
+    import signal
+
+    import quantkit.eval.kl as kl
+
+    real = kl.distribution
+
+    def terminated(*args, **kw):
+        result = real(*args, **kw)
+        assert list(tmp_path.glob(".kl.*")), "the round's candidate and kept logits exist while it measures"
+        os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(kl, "distribution", terminated)  # (the budget imports it when it runs)
+    before = signal.getsignal(signal.SIGTERM)
+    code, _, err = budgeted(capsys, tiny_dir, tmp_path / "kl", texts, "--budget", "kl=0.0005")
+    assert code == 143 and err.strip() == "error: terminated", err
+    assert not list(tmp_path.iterdir())
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the command's only
+
+
 def test_budgets_that_cannot_be_met_and_bad_choices_are_one_line(tiny_dir, texts, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
